@@ -1,0 +1,36 @@
+"""Test-session setup. Registers nothing that hides failures (no warning filters, no xfail).
+
+Without CUDA, SGLang's Triton kernels can only run in Triton's interpreter, and that is chosen when
+a kernel is decorated, i.e. when the module defining it is imported: so TRITON_INTERPRET=1 is set
+here, before any test module (or sglang) imports triton.
+"""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    # torch does not import triton on a CPU build; triton reads the knob lazily, at decoration.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+# tests/ on sys.path so that `from sglang_env import import_sglang` works under any rootdir.
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:
+    sys.path.insert(0, _here)
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped when torch.cuda is unavailable)")
+    config.addinivalue_line("markers", "slow: larger grids; run with KDTREE_TEST_LARGE=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="no CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
