@@ -1,0 +1,138 @@
+/*
+ * kdtree_verify.h: the one header the bindings see. Plain C (compiles as C99), no torch types.
+ *
+ * Paged tree-verify attention for MLA (DeepSeek-style latent attention, absorbed path):
+ * for every request b of a speculative-decoding TARGET_VERIFY batch,
+ *   rows      r = (n, h), n in [0, N_b) verify tokens, h in [0, H) heads   (R_b = N_b * H rows)
+ *   keys      the P_b committed prefix rows of the KV pool, read through slot indices (page size 1),
+ *             then the N_b new latent rows of this request (the drafts, read from k_new)
+ *   score     s = sm_scale * (q_nope . key[:512] + q_pe . key[512:576])
+ *   visible   every prefix key; draft key j iff tree_mask bit (n, j) is set,
+ *             or j <= n when tree_mask is NULL (causal chain)
+ *   output    out[t, h, :] = softmax over the visible keys of s, applied to key[:512]
+ * A row that sees no key at all (P_b == 0 and an all-False tree row) gets zeros.
+ *
+ * Every stride is in elements (not bytes) and int64; the innermost dimension of every
+ * tensor must be contiguous (stride 1). All pointers are device pointers.
+ * The launch is asynchronous on `stream`, allocates nothing, never synchronises with the
+ * host and reads no device value on the host: it can be captured in a CUDA graph.
+ */
+#ifndef KDTREE_VERIFY_H_
+#define KDTREE_VERIFY_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* MLA geometry served by this library. */
+#define KDTREE_HEAD_DIM_NOPE 512 /* latent ("nope") part of q and key; also the value width */
+#define KDTREE_HEAD_DIM_PE 64    /* rope part */
+#define KDTREE_HEAD_DIM_QK 576   /* KDTREE_HEAD_DIM_NOPE + KDTREE_HEAD_DIM_PE */
+#define KDTREE_HEAD_DIM_V 512
+
+#define KDTREE_MAX_HEADS 128     /* heads per rank */
+#define KDTREE_MAX_MASK_WORDS 8  /* tree_mask words per row: verify tokens per request <= 512 */
+
+/* Index dtypes accepted for qo_indptr / kv_indices. */
+#define KDTREE_INDEX_INT32 0
+#define KDTREE_INDEX_INT64 1
+
+/* Status codes: 0 ok, > 0 a cudaError_t value, < 0 a kdtree code below. */
+#define KDTREE_OK 0
+#define KDTREE_ERR_NULL_POINTER (-1)   /* a required pointer is NULL */
+#define KDTREE_ERR_BATCH (-2)          /* batch_size < 1 */
+#define KDTREE_ERR_NUM_TOKENS (-3)     /* num_tokens < 1 */
+#define KDTREE_ERR_NUM_HEADS (-4)      /* num_heads outside [1, KDTREE_MAX_HEADS] */
+#define KDTREE_ERR_STRIDE (-5)         /* a stride is smaller than the row it spans, or negative */
+#define KDTREE_ERR_ALIGNMENT (-6)      /* a pointer or row stride is not 16-byte aligned */
+#define KDTREE_ERR_MASK_WORDS (-7)     /* tree_mask_words outside [1, KDTREE_MAX_MASK_WORDS] */
+#define KDTREE_ERR_INDEX_DTYPE (-8)    /* an index dtype code is not KDTREE_INDEX_INT32/INT64 */
+#define KDTREE_ERR_WORKSPACE (-9)      /* workspace is smaller than kdtree_verify_workspace_size */
+#define KDTREE_ERR_OVERFLOW (-10)      /* a size would overflow the kernel's 32-bit row indexing */
+#define KDTREE_ERR_SCALE (-11)         /* sm_scale is not finite and positive */
+#define KDTREE_ERR_NO_DEVICE (-12)     /* no CUDA device usable by this build */
+#define KDTREE_ERR_ARCH (-13)          /* the current device has no kernel image in this build */
+#define KDTREE_ERR_NUM_SLOTS (-14)     /* num_slots < 1 */
+
+typedef struct kdtree_verify_params {
+  /* ---- queries, T = num_tokens verify tokens of all requests, H = num_heads ---- */
+  const void* q_nope;           /* [T, H, 512] bf16, strides (q_nope_stride_t, q_nope_stride_h, 1) */
+  int64_t q_nope_stride_t;
+  int64_t q_nope_stride_h;
+  const void* q_pe;             /* [T, H, 64] bf16, strides (q_pe_stride_t, q_pe_stride_h, 1) */
+  int64_t q_pe_stride_t;
+  int64_t q_pe_stride_h;
+
+  /* ---- the paged latent cache (page size 1) ---- */
+  const void* kv_cache;         /* [num_slots, 576] bf16, row stride kv_stride_s; [:, :512] are the values */
+  int64_t kv_stride_s;
+  int64_t num_slots;            /* rows of kv_cache (slot ids index it; the caller keeps them in range) */
+  const void* kv_indices;       /* [>= kv_indptr[B]] int32/int64 slot ids, request b at kv_indptr[b]:kv_indptr[b+1] */
+  int kv_indices_dtype;         /* KDTREE_INDEX_INT32 or KDTREE_INDEX_INT64 */
+  const int32_t* kv_indptr;     /* [B + 1] int32, prefix lengths P_b = kv_indptr[b+1] - kv_indptr[b] */
+
+  /* ---- the verify tokens' own latent rows (SGLang's `k`) ---- */
+  const void* k_new;            /* [T, 576] bf16, row stride k_new_stride_t; request b's drafts at qo_indptr[b]: */
+  int64_t k_new_stride_t;
+  const void* qo_indptr;        /* [B + 1] int32/int64, verify rows of request b: qo_indptr[b]:qo_indptr[b+1] */
+  int qo_indptr_dtype;          /* KDTREE_INDEX_INT32 or KDTREE_INDEX_INT64 */
+
+  /* ---- draft-tree visibility ---- */
+  const uint64_t* tree_mask;    /* [T, tree_mask_words] uint64, row t = verify token qo_indptr[b] + n:
+                                   bit j of word j/64 set <=> token n sees draft j of its request.
+                                   NULL: causal chain (draft j visible iff j <= n). */
+  int tree_mask_words;          /* words per row, 1..KDTREE_MAX_MASK_WORDS; N_b <= 64 * words. Ignored if NULL. */
+
+  /* ---- output ---- */
+  void* out;                    /* [T, H, 512] bf16, strides (out_stride_t, out_stride_h, 1) */
+  int64_t out_stride_t;
+  int64_t out_stride_h;
+
+  /* ---- sizes ---- */
+  int batch_size;               /* B */
+  int num_tokens;               /* T = qo_indptr[B] (host-known: the rows of q) */
+  int num_heads;                /* H */
+  float sm_scale;               /* softmax scale (SGLang's layer.scaling) */
+
+  /* ---- scratch (split-K partials, the work plan); never allocated by the launch ---- */
+  void* workspace;              /* >= kdtree_verify_workspace_size(...) bytes, 256-byte aligned */
+  size_t workspace_bytes;
+} kdtree_verify_params;
+
+/*
+ * Bytes of workspace kdtree_verify_launch needs for a batch of `batch_size` requests with
+ * `num_tokens` verify tokens in all and `num_heads` heads, on the current device.
+ * Depends only on these host-known sizes (never on prefix lengths), so one buffer sized for
+ * the largest batch serves every call, CUDA-graph replays included.
+ * Returns 0 on an invalid argument or when no device is usable.
+ */
+size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads);
+
+/* Validate, plan the split on the GPU, run the split-K pass and the combine on `stream`.
+ * Returns KDTREE_OK or an error status; nothing is launched when validation fails. */
+int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
+
+/* Build the compact tree mask from SGLang's flat custom_mask on `stream` (no host sync):
+ *   custom_mask   [>= mask_indptr[B]] bytes (bool or uint8), request b's N_b x (P_b + N_b)
+ *                 row-major block at mask_indptr[b]; only the N_b x N_b draft columns are read
+ *   mask_indptr   [B + 1] int64
+ *   out           [num_tokens, out_words] uint64, fully written (bits past N_b are 0) */
+int kdtree_pack_tree_mask(const uint8_t* custom_mask, const int64_t* mask_indptr,
+                          const void* qo_indptr, int qo_indptr_dtype, const int32_t* kv_indptr,
+                          int batch_size, int num_tokens, uint64_t* out, int out_words,
+                          void* stream /* cudaStream_t */);
+
+/* A static, human-readable message for a status code (never NULL). */
+const char* kdtree_status_string(int status);
+
+/* The CUDA architectures this build carries machine code for, comma-separated ("90,120"). */
+const char* kdtree_compiled_archs(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KDTREE_VERIFY_H_ */

@@ -1,0 +1,660 @@
+// verify_kernel.cuh: __global__ code of the kdtree tree-verify attention (plan, split pass, combine).
+//
+// Design (see docs/DESIGN.md for the numbers behind it):
+// - All H x N query rows of a request are folded into the matrix M dimension, r = n * H + h, and cut
+//   into row tiles of kBlockM = 48 rows (3 mma row blocks; H=16, N=9 gives exactly 3 tiles).
+// - A work item is (request, split, row tile). The keys of a request (P prefix rows through the slot
+//   indices, then its N draft rows from k_new) are cut into splits of `chunk` keys; the plan kernel
+//   picks nsplit/chunk from the request's own length and row-tile count only (batch-invariant).
+// - One CTA = 11 warps, warp-specialised:
+//     3 "score" warps: each owns 16 query rows; q_nope lives in registers as mma A fragments
+//       (32 k-steps x 4 regs), q_pe in shared memory; they compute S = Q K^T for a 16-key tile,
+//       run the online softmax, and hand P (bf16) and the per-row rescale factor to shared memory.
+//     8 "value" warps: each owns 64 of the 512 value columns for all 48 rows (96 fp32 accumulators)
+//       and computes O = alpha * O + P V for the previous tile.
+//   The score warps work on tile i while the value warps work on tile i-1 (one barrier per tile).
+// - Keys stream through a 4-stage cp.async ring of 16 x 576 bf16 tiles (rows padded to 1168 B so
+//   ldmatrix is conflict-free); every 1152-byte row is gathered by slot id, two tiles in flight.
+// - Split partials are stored normalised in bf16 with a float log2-sum-exp; a combine kernel merges
+//   them in a fixed order (deterministic). A request with one split writes the output directly.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kdtree_verify.h"
+
+namespace kdtree {
+
+constexpr int kDimNope = KDTREE_HEAD_DIM_NOPE;   // 512
+constexpr int kDimPe = KDTREE_HEAD_DIM_PE;       // 64
+constexpr int kDimQK = KDTREE_HEAD_DIM_QK;       // 576
+constexpr int kBlockM = 48;                      // query rows per work item
+constexpr int kTileN = 16;                       // keys per pipeline tile
+constexpr int kStages = 4;                       // cp.async ring depth (2 tiles in flight + 2 in use)
+constexpr int kScoreWarps = kBlockM / 16;        // 3
+constexpr int kValueWarps = 8;
+constexpr int kValueCols = kDimNope / kValueWarps;  // 64 value columns per value warp
+constexpr int kWarps = kScoreWarps + kValueWarps;   // 11
+constexpr int kThreads = kWarps * 32;               // 352
+constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
+constexpr int kQpePitch = kDimPe + 8;    // bf16 per smem q_pe row
+constexpr int kPPitch = kTileN + 8;      // bf16 per smem P row (48 B: 8 rows hit 8 distinct 16 B bank groups)
+constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
+constexpr int kChunksPerRow = kDimQK * 2 / 16;  // 72 16-byte chunks per key row
+
+static_assert(kBlockM % 16 == 0, "row tile is a whole number of m16 blocks");
+static_assert(kTileN == 16, "score warps hold exactly two n8 mma tiles per key tile; P is one k16 step");
+static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
+static_assert(kStages == 4, "the ring schedule below (issue tile i+2 into the slot of tile i-2) needs 4 stages");
+static_assert((kKvPitch * 2) % 16 == 0 && ((kKvPitch * 2) / 16) % 2 == 1,
+              "key rows must stay 16 B aligned and an odd number of 16 B units apart (conflict-free ldmatrix)");
+static_assert(kMinChunk % kTileN == 0, "splits are whole tiles");
+
+// Per-request plan, written by the plan kernel, read by the split and combine kernels.
+struct ReqPlan {
+  int item_begin;    // first work item of this request
+  int nsplit;        // splits of the key range
+  int chunk;         // keys per split (multiple of kTileN), last split may be shorter
+  int mtiles;        // row tiles
+  int qo_begin;      // first verify token (row of q / k_new / tree_mask / out)
+  int n;             // verify tokens N
+  int kv_begin;      // first entry of kv_indices
+  int p;             // prefix length P
+  long long partial_row;  // first partial row (only when nsplit > 1)
+};
+
+struct SharedStorage {
+  __nv_bfloat16 kv[kStages][kTileN][kKvPitch];      // 74,752 B
+  __nv_bfloat16 q_pe[kBlockM][kQpePitch];           //  6,912 B
+  __nv_bfloat16 p[2][kBlockM][kPPitch];             //  4,608 B
+  float alpha[2][kBlockM];                          //    384 B
+  float row_m[kBlockM];
+  float row_l[kBlockM];
+  const __nv_bfloat16* src[kStages][kTileN];        // gather addresses of the keys of a tile (null = pad)
+  int item;
+};
+// The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
+static_assert(sizeof(SharedStorage) <= 101376, "must fit sm_120's 99 KB per block");
+
+struct Params {
+  const __nv_bfloat16* q_nope;
+  long long q_nope_st, q_nope_sh;
+  const __nv_bfloat16* q_pe;
+  long long q_pe_st, q_pe_sh;
+  const __nv_bfloat16* kv;
+  long long kv_ss;
+  const void* kv_indices;
+  int kv_indices_64;
+  const int32_t* kv_indptr;
+  const __nv_bfloat16* k_new;
+  long long k_new_st;
+  const void* qo_indptr;
+  int qo_indptr_64;
+  const uint64_t* tree_mask;
+  int mask_words;
+  __nv_bfloat16* out;
+  long long out_st, out_sh;
+  int batch;
+  int num_tokens;
+  int heads;
+  float scale_log2;   // sm_scale * log2(e)
+  int split_target;   // work items a long request is cut into (about 2 per SM)
+  long long max_partial_rows;
+  // workspace views
+  int* counter;       // [2]: dynamic work counter, total items
+  ReqPlan* plan;      // [B]
+  float* partial_lse; // [max_partial_rows]
+  __nv_bfloat16* partial_o;  // [max_partial_rows, 512]
+};
+
+__device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
+  return is64 ? reinterpret_cast<const long long*>(p)[i] : (long long)reinterpret_cast<const int*>(p)[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans).
+// ---------------------------------------------------------------------------------------------
+constexpr int kPlanThreads = 256;
+
+__global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params prm) {
+  __shared__ int s_items[kPlanThreads];
+  __shared__ long long s_rows[kPlanThreads];
+  __shared__ int s_carry_items;
+  __shared__ long long s_carry_rows;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    s_carry_items = 0;
+    s_carry_rows = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < prm.batch; base += kPlanThreads) {
+    const int b = base + tid;
+    ReqPlan rp = {};
+    int items = 0;
+    long long rows = 0;
+    if (b < prm.batch) {
+      const int qb = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b);
+      const int qe = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b + 1);
+      const int kb = prm.kv_indptr[b];
+      const int ke = prm.kv_indptr[b + 1];
+      rp.qo_begin = qb;
+      rp.n = max(qe - qb, 0);
+      rp.kv_begin = kb;
+      rp.p = max(ke - kb, 0);
+      const int len = rp.p + rp.n;
+      const int r = rp.n * prm.heads;
+      rp.mtiles = (r + kBlockM - 1) / kBlockM;
+      int nsplit = 1;
+      if (rp.mtiles > 0) {
+        const int by_len = (len + kMinChunk - 1) / kMinChunk;
+        const int by_fill = max(1, prm.split_target / rp.mtiles);
+        nsplit = max(1, min(by_len, by_fill));
+      }
+      int chunk = (len + nsplit - 1) / max(nsplit, 1);
+      chunk = max(kTileN, (chunk + kTileN - 1) / kTileN * kTileN);
+      nsplit = len > 0 ? (len + chunk - 1) / chunk : 1;
+      rp.nsplit = nsplit;
+      rp.chunk = chunk;
+      items = rp.mtiles * nsplit;
+      rows = nsplit > 1 ? (long long)nsplit * r : 0;
+    }
+    s_items[tid] = items;
+    s_rows[tid] = rows;
+    __syncthreads();
+    // Hillis-Steele inclusive scan; B is small and this runs once per call.
+    for (int off = 1; off < kPlanThreads; off <<= 1) {
+      const int vi = tid >= off ? s_items[tid - off] : 0;
+      const long long vr = tid >= off ? s_rows[tid - off] : 0;
+      __syncthreads();
+      s_items[tid] += vi;
+      s_rows[tid] += vr;
+      __syncthreads();
+    }
+    if (b < prm.batch) {
+      rp.item_begin = s_carry_items + s_items[tid] - items;
+      rp.partial_row = s_carry_rows + s_rows[tid] - rows;
+      prm.plan[b] = rp;
+    }
+    __syncthreads();
+    if (tid == kPlanThreads - 1) {
+      s_carry_items += s_items[tid];
+      s_carry_rows += s_rows[tid];
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    prm.counter[0] = 0;
+    prm.counter[1] = s_carry_items;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// mma.sync / ldmatrix / cp.async helpers
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  // src-size 0 zero-fills the 16 bytes and reads nothing: padding keys never touch memory.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// All 352 threads, from the score and the value branches alike: a named barrier states that the two
+// branches meet here (a plain __syncthreads in divergent code is legal on sm_70+ but reads as a bug).
+__device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory"); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The split pass.
+// ---------------------------------------------------------------------------------------------
+struct ItemCtx {
+  ReqPlan rp;
+  int split, mtile;
+  int row0, rows;        // first request-local row of this tile, valid rows in it (<= kBlockM)
+  int k0, k1;            // key range [k0, k1) of this split, keys >= p are drafts
+  int ntiles;
+};
+
+__device__ __forceinline__ const __nv_bfloat16* key_row(const Params& prm, const ItemCtx& c, int key) {
+  if (key >= c.k1) return nullptr;
+  if (key < c.rp.p) {
+    const long long slot = load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key);
+    return prm.kv + slot * prm.kv_ss;
+  }
+  return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
+}
+
+__device__ __forceinline__ void issue_tile(SharedStorage& sm, int stage, int tid) {
+  // 16 keys x 72 chunks of 16 B, spread over all 352 threads.
+#pragma unroll
+  for (int i = tid; i < kTileN * kChunksPerRow; i += kThreads) {
+    const int k = i / kChunksPerRow;
+    const int ch = i - k * kChunksPerRow;
+    const __nv_bfloat16* src = sm.src[stage][k];
+    cp_async_16(&sm.kv[stage][k][ch * 8], src ? src + ch * 8 : reinterpret_cast<const __nv_bfloat16*>(&sm),
+                src != nullptr);
+  }
+}
+
+__global__ void __maxnreg__(184) kdtree_verify_split_kernel(Params prm) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;  // mma group: row within an 8-row half
+  const int c = lane & 3;   // thread in group: column pair
+  const int total = prm.counter[1];
+
+  for (;;) {
+    if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
+    __syncthreads();
+    const int item = sm.item;
+    if (item >= total) return;
+
+    // ---- locate the item: binary search the request whose item range holds it ----
+    ItemCtx cx;
+    {
+      int lo = 0, hi = prm.batch - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (prm.plan[mid].item_begin <= item) lo = mid; else hi = mid - 1;
+      }
+      // The last request whose range starts at or before `item` owns it: a request without items
+      // shares its item_begin with its successor, so it is never the last such request.
+      cx.rp = prm.plan[lo];
+      const int local = item - cx.rp.item_begin;
+      cx.split = local / cx.rp.mtiles;
+      cx.mtile = local - cx.split * cx.rp.mtiles;
+      cx.row0 = cx.mtile * kBlockM;
+      cx.rows = min(kBlockM, cx.rp.n * prm.heads - cx.row0);
+      cx.k0 = cx.split * cx.rp.chunk;
+      cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
+      cx.ntiles = (cx.k1 - cx.k0 + kTileN - 1) / kTileN;
+    }
+    const int H = prm.heads;
+
+    // ---- gather addresses of tiles 0..2, q_pe tile into shared memory ----
+    if (tid < 3 * kTileN) {
+      const int t = tid / kTileN, k = tid % kTileN;
+      sm.src[t][k] = t < cx.ntiles ? key_row(prm, cx, cx.k0 + t * kTileN + k) : nullptr;
+    }
+    for (int i = tid; i < kBlockM * (kDimPe / 8); i += kThreads) {
+      const int r = i / (kDimPe / 8), ch = i % (kDimPe / 8);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < cx.rows) {
+        const int rr = cx.row0 + r;
+        const int n = rr / H, h = rr - n * H;
+        v = *reinterpret_cast<const uint4*>(prm.q_pe + (long long)(cx.rp.qo_begin + n) * prm.q_pe_st +
+                                            (long long)h * prm.q_pe_sh + ch * 8);
+      }
+      *reinterpret_cast<uint4*>(&sm.q_pe[r][ch * 8]) = v;
+    }
+    __syncthreads();
+    issue_tile(sm, 0, tid);
+    cp_async_commit();
+    issue_tile(sm, 1, tid);
+    cp_async_commit();
+
+    if (warp < kScoreWarps) {
+      // =========================== score warps ===========================
+      const int wrow = warp * 16;                     // first tile row of this warp
+      const bool active = wrow < cx.rows;
+      // q_nope as A fragments: qa[ks] covers columns [16 ks, 16 ks + 16)
+      uint32_t qa[kDimNope / 16][4];
+      int my_n[2];                                    // verify token of rows g and g+8 (-1 = padding)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wrow + g + half * 8;
+        my_n[half] = r < cx.rows ? (cx.row0 + r) / H : -1;
+      }
+      {
+        const __nv_bfloat16* qrow[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wrow + g + half * 8;
+          const int rr = cx.row0 + r;
+          const int n = rr / H, h = rr - n * H;
+          qrow[half] = r < cx.rows ? prm.q_nope + (long long)(cx.rp.qo_begin + n) * prm.q_nope_st +
+                                         (long long)h * prm.q_nope_sh
+                                   : nullptr;
+        }
+#pragma unroll
+        for (int ks = 0; ks < kDimNope / 16; ++ks) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int half = j & 1, col = ks * 16 + (j >> 1) * 8 + 2 * c;
+            qa[ks][j] = qrow[half] ? *reinterpret_cast<const uint32_t*>(qrow[half] + col) : 0u;
+          }
+        }
+      }
+      float m_run[2] = {-INFINITY, -INFINITY};
+      float l_run[2] = {0.f, 0.f};
+
+      for (int it = 0; it <= cx.ntiles; ++it) {
+        cp_async_wait<1>();
+        block_barrier();
+        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid);
+        cp_async_commit();
+        if (it == cx.ntiles || !active) continue;
+
+        const int stage = it % kStages;
+        float acc[2][4] = {};
+        // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
+        const __nv_bfloat16* kbase = &sm.kv[stage][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
+#pragma unroll
+        for (int ks = 0; ks < kDimNope / 16; ++ks) {
+          uint32_t b[4];
+          ldmatrix_x4(b, kbase + ks * 16);
+          mma_bf16(acc[0], qa[ks], b[0], b[1]);
+          mma_bf16(acc[1], qa[ks], b[2], b[3]);
+        }
+        const __nv_bfloat16* qpbase = &sm.q_pe[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
+#pragma unroll
+        for (int ks = 0; ks < kDimPe / 16; ++ks) {
+          uint32_t a[4], b[4];
+          ldmatrix_x4(a, qpbase + ks * 16);
+          ldmatrix_x4(b, kbase + kDimNope + ks * 16);
+          mma_bf16(acc[0], a, b[0], b[1]);
+          mma_bf16(acc[1], a, b[2], b[3]);
+        }
+
+        // ---- scale, mask, online softmax ----
+        const int key0 = cx.k0 + it * kTileN;
+        const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;  // whole tile prefix: no mask
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int half = e >> 1;
+            float s = acc[nt][e] * prm.scale_log2;
+            if (!plain) {
+              const int key = key0 + nt * 8 + 2 * c + (e & 1);
+              bool vis = key < cx.k1;
+              if (vis && key >= cx.rp.p) {
+                const int j = key - cx.rp.p;
+                const int n = my_n[half];
+                if (n < 0) {
+                  vis = false;
+                } else if (prm.tree_mask) {
+                  const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (j >> 6)];
+                  vis = (w >> (j & 63)) & 1ull;
+                } else {
+                  vis = j <= n;
+                }
+              }
+              if (!vis) s = -INFINITY;
+            }
+            acc[nt][e] = s;
+            tmax[half] = fmaxf(tmax[half], s);
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float m_new = fmaxf(m_run[half], tmax[half]);
+          m_use[half] = m_new == -INFINITY ? 0.f : m_new;   // a row with nothing visible yet stays at 0
+          alpha[half] = exp2f(m_run[half] - m_use[half]);
+          m_run[half] = m_new;
+        }
+        float psum[2] = {0.f, 0.f};
+        const int pb = it & 1;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float p0 = exp2f(acc[nt][2 * half] - m_use[half]);
+            const float p1 = exp2f(acc[nt][2 * half + 1] - m_use[half]);
+            psum[half] += p0 + p1;
+            *reinterpret_cast<uint32_t*>(&sm.p[pb][wrow + g + half * 8][nt * 8 + 2 * c]) = pack_bf16(p0, p1);
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+        if (c == 0) {
+          sm.alpha[pb][wrow + g] = alpha[0];
+          sm.alpha[pb][wrow + g + 8] = alpha[1];
+        }
+      }
+      // row statistics for the epilogue (l is a per-thread partial: reduce over the quad)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+      }
+      if (c == 0) {
+        sm.row_m[wrow + g] = m_run[0];
+        sm.row_m[wrow + g + 8] = m_run[1];
+        sm.row_l[wrow + g] = l_run[0];
+        sm.row_l[wrow + g + 8] = l_run[1];
+      }
+      block_barrier();  // pairs with the value warps' epilogue barrier
+      // partial log2-sum-exp, one value per row
+      const bool partial = cx.rp.nsplit > 1;
+      if (partial && c == 0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wrow + g + half * 8;
+          if (r < cx.rows) {
+            const float l = l_run[half];
+            const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
+            prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
+          }
+        }
+      }
+    } else {
+      // =========================== value warps ===========================
+      const int vw = warp - kScoreWarps;
+      const int col0 = vw * kValueCols;
+      const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
+      float o[kScoreWarps][kValueCols / 8][4] = {};
+
+      for (int it = 0; it <= cx.ntiles; ++it) {
+        cp_async_wait<1>();
+        block_barrier();
+        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid);
+        cp_async_commit();
+        // gather addresses one tile ahead of their issue, so the slot-id load latency is hidden
+        // (a value warp does it: the score warps have no registers to spare)
+        if (vw == 0 && lane < kTileN && it + 3 < cx.ntiles)
+          sm.src[(it + 3) % kStages][lane] = key_row(prm, cx, cx.k0 + (it + 3) * kTileN + lane);
+        if (it == 0) continue;
+        const int j = it - 1;
+        const int stage = j % kStages;
+        const int pb = j & 1;
+#pragma unroll
+        for (int rb = 0; rb < kScoreWarps; ++rb) {
+          if (rb < rblocks) {
+            const float a0 = sm.alpha[pb][rb * 16 + g];
+            const float a1 = sm.alpha[pb][rb * 16 + g + 8];
+#pragma unroll
+            for (int nt = 0; nt < kValueCols / 8; ++nt) {
+              o[rb][nt][0] *= a0;
+              o[rb][nt][1] *= a0;
+              o[rb][nt][2] *= a1;
+              o[rb][nt][3] *= a1;
+            }
+          }
+        }
+        uint32_t pa[kScoreWarps][4];
+#pragma unroll
+        for (int rb = 0; rb < kScoreWarps; ++rb)
+          if (rb < rblocks)
+            ldmatrix_x4(pa[rb], &sm.p[pb][rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8]);
+        // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
+        const __nv_bfloat16* vbase = &sm.kv[stage][((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
+#pragma unroll
+        for (int np = 0; np < kValueCols / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, vbase + np * 16);
+#pragma unroll
+          for (int rb = 0; rb < kScoreWarps; ++rb) {
+            if (rb < rblocks) {
+              mma_bf16(o[rb][2 * np], pa[rb], b[0], b[1]);
+              mma_bf16(o[rb][2 * np + 1], pa[rb], b[2], b[3]);
+            }
+          }
+        }
+      }
+      block_barrier();  // row_m / row_l written by the score warps
+      const bool partial = cx.rp.nsplit > 1;
+#pragma unroll
+      for (int rb = 0; rb < kScoreWarps; ++rb) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = rb * 16 + g + half * 8;
+          if (r >= cx.rows) continue;
+          const float l = sm.row_l[r];
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          const int rr = cx.row0 + r;
+          __nv_bfloat16* dst;
+          if (partial) {
+            dst = prm.partial_o + (cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + rr) * kDimNope;
+          } else {
+            const int n = rr / H, h = rr - n * H;
+            dst = prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
+          }
+#pragma unroll
+          for (int nt = 0; nt < kValueCols / 8; ++nt) {
+            *reinterpret_cast<uint32_t*>(dst + col0 + nt * 8 + 2 * c) =
+                pack_bf16(o[rb][nt][2 * half] * inv, o[rb][nt][2 * half + 1] * inv);
+          }
+        }
+      }
+    }
+    // every async copy of this item has landed (the last groups are empty), all shared reads done
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine: one block per (verify token, head) row of a request that was split; fixed split order.
+// ---------------------------------------------------------------------------------------------
+constexpr int kCombineThreads = 256;
+constexpr int kCombineGroups = kCombineThreads / (kDimNope / 8);  // 4 groups of 64 threads x 8 columns
+
+__global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(Params prm) {
+  __shared__ float s_acc[kCombineGroups][kDimNope];
+  const int gr = blockIdx.x;                 // global row = t * H + h
+  const int t = gr / prm.heads, h = gr - t * prm.heads;
+  int lo = 0, hi = prm.batch - 1;
+  while (lo < hi) {  // the last request starting at or before t owns it (empty requests never do)
+    const int mid = (lo + hi + 1) >> 1;
+    if (prm.plan[mid].qo_begin <= t) lo = mid; else hi = mid - 1;
+  }
+  const ReqPlan rp = prm.plan[lo];
+  if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) return;
+  const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
+  const long long rstride = (long long)rp.n * prm.heads;
+  const float* lse = prm.partial_lse + rp.partial_row + r;
+  float mx = -INFINITY;
+  for (int s = 0; s < rp.nsplit; ++s) mx = fmaxf(mx, lse[s * rstride]);
+  const int grp = threadIdx.x / (kDimNope / 8);
+  const int col = (threadIdx.x % (kDimNope / 8)) * 8;
+  float acc[8] = {};
+  float wsum = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = grp; s < rp.nsplit; s += kCombineGroups) {
+      const float w = exp2f(lse[s * rstride] - mx);
+      const uint4 v = *reinterpret_cast<const uint4*>(prm.partial_o + (rp.partial_row + r + s * rstride) * kDimNope + col);
+      const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pv[i]);
+        acc[2 * i] += w * f.x;
+        acc[2 * i + 1] += w * f.y;
+      }
+    }
+    for (int s = 0; s < rp.nsplit; ++s) wsum += exp2f(lse[s * rstride] - mx);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s_acc[grp][col + i] = acc[i];
+  __syncthreads();
+  if (grp == 0) {
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    uint4 res;
+    uint32_t* pr = reinterpret_cast<uint32_t*>(&res);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int q = 0; q < kCombineGroups; ++q) {
+        v0 += s_acc[q][col + 2 * i];
+        v1 += s_acc[q][col + 2 * i + 1];
+      }
+      pr[i] = pack_bf16(v0 * inv, v1 * inv);
+    }
+    *reinterpret_cast<uint4*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col) = res;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tree-mask packing from SGLang's flat custom_mask: one thread per (verify token, 64-bit word).
+// ---------------------------------------------------------------------------------------------
+__global__ void kdtree_pack_tree_mask_kernel(const uint8_t* custom_mask, const int64_t* mask_indptr,
+                                             const void* qo_indptr, int qo64, const int32_t* kv_indptr,
+                                             int batch, int num_tokens, uint64_t* out, int words) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)num_tokens * words) return;
+  const int t = (int)(idx / words);
+  const int w = (int)(idx - (long long)t * words);
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_index(qo_indptr, qo64, mid) <= t) lo = mid; else hi = mid - 1;
+  }
+  const long long qb = load_index(qo_indptr, qo64, lo);
+  const long long qe = load_index(qo_indptr, qo64, lo + 1);
+  uint64_t bits = 0;
+  if (t >= qb && t < qe) {
+    const long long n_tok = qe - qb;
+    const long long p = kv_indptr[lo + 1] - kv_indptr[lo];
+    const long long i = t - qb;
+    const uint8_t* row = custom_mask + mask_indptr[lo] + i * (p + n_tok) + p;
+    const int j0 = w * 64;
+    const int j1 = (int)(n_tok < j0 + 64 ? n_tok : j0 + 64);
+    for (int j = j0; j < j1; ++j) bits |= (uint64_t)(row[j] != 0) << (j - j0);
+  }
+  out[idx] = bits;
+}
+
+}  // namespace kdtree

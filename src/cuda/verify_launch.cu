@@ -1,0 +1,230 @@
+// verify_launch.cu: the extern "C" entry points: validate -> plan -> split pass -> combine -> status.
+// Nothing here allocates, synchronises with the host, throws or prints.
+#include <cuda_runtime.h>
+#include <math.h>
+
+#include "kdtree_verify.h"
+#include "verify_kernel.cuh"
+
+#ifndef KDTREE_CUDA_ARCHS_STR
+#define KDTREE_CUDA_ARCHS_STR ""
+#endif
+
+namespace {
+
+using kdtree::Params;
+using kdtree::ReqPlan;
+
+constexpr size_t kAlign = 256;
+constexpr int kMaxDevices = 64;
+constexpr int kSplitsPerSm = 2;  // a long request becomes ~2 work items per SM (one CTA per SM)
+
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+struct Layout {
+  size_t header, plan, lse, partial, total;
+  long long max_partial_rows;
+};
+
+// A request with nsplit > 1 has nsplit <= split_target / mtiles, so it owns at most
+// split_target * kBlockM partial rows; a row needs at most split_target partials.
+Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
+  Layout l;
+  const long long by_batch = (long long)batch * split_target * kdtree::kBlockM;
+  const long long by_rows = (long long)num_tokens * heads * split_target;
+  l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
+  l.header = 0;
+  l.plan = align_up(2 * sizeof(int));
+  l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
+  l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
+  l.total = l.partial + align_up((size_t)l.max_partial_rows * kdtree::kDimNope * sizeof(__nv_bfloat16));
+  return l;
+}
+
+// SM count and the one-time shared-memory opt-in, per device (benign race: idempotent values).
+int device_sms(int dev, int* status) {
+  static int sms[kMaxDevices];
+  static bool configured[kMaxDevices];
+  if (dev < 0 || dev >= kMaxDevices) { *status = KDTREE_ERR_NO_DEVICE; return 0; }
+  if (!configured[dev]) {
+    int n = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) { *status = (int)e; return 0; }
+    e = cudaFuncSetAttribute(kdtree::kdtree_verify_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sizeof(kdtree::SharedStorage));
+    if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
+      cudaGetLastError();
+      *status = KDTREE_ERR_ARCH;
+      return 0;
+    }
+    if (e != cudaSuccess) { *status = (int)e; return 0; }
+    sms[dev] = n;
+    configured[dev] = true;
+  }
+  *status = KDTREE_OK;
+  return sms[dev];
+}
+
+int current_device_sms(int* status) {
+  int dev = -1;
+  const cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error so later calls report afresh
+    *status = e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ? KDTREE_ERR_NO_DEVICE : (int)e;
+    return 0;
+  }
+  return device_sms(dev, status);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int validate(const kdtree_verify_params* p) {
+  if (!p->q_nope || !p->q_pe || !p->kv_cache || !p->kv_indices || !p->kv_indptr || !p->k_new ||
+      !p->qo_indptr || !p->out || !p->workspace)
+    return KDTREE_ERR_NULL_POINTER;
+  if (p->batch_size < 1) return KDTREE_ERR_BATCH;
+  if (p->num_tokens < 1) return KDTREE_ERR_NUM_TOKENS;
+  if (p->num_heads < 1 || p->num_heads > KDTREE_MAX_HEADS) return KDTREE_ERR_NUM_HEADS;
+  if (p->num_slots < 1) return KDTREE_ERR_NUM_SLOTS;
+  if (p->kv_indices_dtype != KDTREE_INDEX_INT32 && p->kv_indices_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
+  if (p->qo_indptr_dtype != KDTREE_INDEX_INT32 && p->qo_indptr_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
+  if (p->tree_mask && (p->tree_mask_words < 1 || p->tree_mask_words > KDTREE_MAX_MASK_WORDS)) return KDTREE_ERR_MASK_WORDS;
+  if (!(p->sm_scale > 0.f) || !isfinite(p->sm_scale)) return KDTREE_ERR_SCALE;
+  // strides: a head / token step must not overlap the row it spans (heads may alias only if H == 1)
+  if (p->q_nope_stride_h < (p->num_heads > 1 ? KDTREE_HEAD_DIM_NOPE : 0) ||
+      p->q_nope_stride_t < (long long)(p->num_heads - 1) * p->q_nope_stride_h + KDTREE_HEAD_DIM_NOPE ||
+      p->q_pe_stride_h < (p->num_heads > 1 ? KDTREE_HEAD_DIM_PE : 0) ||
+      p->q_pe_stride_t < (long long)(p->num_heads - 1) * p->q_pe_stride_h + KDTREE_HEAD_DIM_PE ||
+      p->kv_stride_s < KDTREE_HEAD_DIM_QK || p->k_new_stride_t < KDTREE_HEAD_DIM_QK ||
+      p->out_stride_h < (p->num_heads > 1 ? KDTREE_HEAD_DIM_V : 0) ||
+      p->out_stride_t < (long long)(p->num_heads - 1) * p->out_stride_h + KDTREE_HEAD_DIM_V)
+    return KDTREE_ERR_STRIDE;
+  // 16-byte vectors (cp.async, uint4) on every row: pointers and element strides (bf16: multiples of 8)
+  if (!aligned16(p->q_nope) || !aligned16(p->q_pe) || !aligned16(p->kv_cache) || !aligned16(p->k_new) ||
+      !aligned16(p->out) || (reinterpret_cast<uintptr_t>(p->workspace) & (kAlign - 1)) != 0 ||
+      (p->q_nope_stride_t | p->q_nope_stride_h | p->q_pe_stride_t | p->q_pe_stride_h | p->kv_stride_s |
+       p->k_new_stride_t | p->out_stride_t | p->out_stride_h) % 8 != 0)
+    return KDTREE_ERR_ALIGNMENT;
+  // rows r = n * H + h of one request and global rows t * H + h are int32 in the kernels
+  if ((long long)p->num_tokens * p->num_heads >= (1ll << 31) / 2) return KDTREE_ERR_OVERFLOW;
+  return KDTREE_OK;
+}
+
+#define KDTREE_TRY(expr)                 \
+  do {                                   \
+    const cudaError_t e_ = (expr);       \
+    if (e_ != cudaSuccess) return (int)e_; \
+  } while (0)
+
+}  // namespace
+
+extern "C" {
+
+size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads) {
+  if (batch_size < 1 || num_tokens < 1 || num_heads < 1 || num_heads > KDTREE_MAX_HEADS) return 0;
+  int status = KDTREE_OK;
+  const int sms = current_device_sms(&status);
+  if (status != KDTREE_OK) return 0;
+  return workspace_layout(batch_size, num_tokens, num_heads, kSplitsPerSm * sms).total;
+}
+
+int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
+  if (!p) return KDTREE_ERR_NULL_POINTER;
+  int status = validate(p);
+  if (status != KDTREE_OK) return status;
+  const int sms = current_device_sms(&status);
+  if (status != KDTREE_OK) return status;
+  const int split_target = kSplitsPerSm * sms;
+  const Layout lay = workspace_layout(p->batch_size, p->num_tokens, p->num_heads, split_target);
+  if (p->workspace_bytes < lay.total) return KDTREE_ERR_WORKSPACE;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+
+  Params prm;
+  prm.q_nope = static_cast<const __nv_bfloat16*>(p->q_nope);
+  prm.q_nope_st = p->q_nope_stride_t;
+  prm.q_nope_sh = p->q_nope_stride_h;
+  prm.q_pe = static_cast<const __nv_bfloat16*>(p->q_pe);
+  prm.q_pe_st = p->q_pe_stride_t;
+  prm.q_pe_sh = p->q_pe_stride_h;
+  prm.kv = static_cast<const __nv_bfloat16*>(p->kv_cache);
+  prm.kv_ss = p->kv_stride_s;
+  prm.kv_indices = p->kv_indices;
+  prm.kv_indices_64 = p->kv_indices_dtype == KDTREE_INDEX_INT64;
+  prm.kv_indptr = p->kv_indptr;
+  prm.k_new = static_cast<const __nv_bfloat16*>(p->k_new);
+  prm.k_new_st = p->k_new_stride_t;
+  prm.qo_indptr = p->qo_indptr;
+  prm.qo_indptr_64 = p->qo_indptr_dtype == KDTREE_INDEX_INT64;
+  prm.tree_mask = p->tree_mask;
+  prm.mask_words = p->tree_mask ? p->tree_mask_words : 0;
+  prm.out = static_cast<__nv_bfloat16*>(p->out);
+  prm.out_st = p->out_stride_t;
+  prm.out_sh = p->out_stride_h;
+  prm.batch = p->batch_size;
+  prm.num_tokens = p->num_tokens;
+  prm.heads = p->num_heads;
+  prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
+  prm.split_target = split_target;
+  prm.max_partial_rows = lay.max_partial_rows;
+  unsigned char* ws = static_cast<unsigned char*>(p->workspace);
+  prm.counter = reinterpret_cast<int*>(ws + lay.header);
+  prm.plan = reinterpret_cast<ReqPlan*>(ws + lay.plan);
+  prm.partial_lse = reinterpret_cast<float*>(ws + lay.lse);
+  prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
+
+  kdtree::kdtree_verify_plan_kernel<<<1, kdtree::kPlanThreads, 0, stream>>>(prm);
+  KDTREE_TRY(cudaGetLastError());
+  kdtree::kdtree_verify_split_kernel<<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage), stream>>>(prm);
+  KDTREE_TRY(cudaGetLastError());
+  kdtree::kdtree_verify_combine_kernel<<<p->num_tokens * p->num_heads, kdtree::kCombineThreads, 0, stream>>>(prm);
+  KDTREE_TRY(cudaGetLastError());
+  return KDTREE_OK;
+}
+
+int kdtree_pack_tree_mask(const uint8_t* custom_mask, const int64_t* mask_indptr, const void* qo_indptr,
+                          int qo_indptr_dtype, const int32_t* kv_indptr, int batch_size, int num_tokens,
+                          uint64_t* out, int out_words, void* stream_ptr) {
+  if (!custom_mask || !mask_indptr || !qo_indptr || !kv_indptr || !out) return KDTREE_ERR_NULL_POINTER;
+  if (batch_size < 1) return KDTREE_ERR_BATCH;
+  if (num_tokens < 1) return KDTREE_ERR_NUM_TOKENS;
+  if (out_words < 1 || out_words > KDTREE_MAX_MASK_WORDS) return KDTREE_ERR_MASK_WORDS;
+  if (qo_indptr_dtype != KDTREE_INDEX_INT32 && qo_indptr_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
+  int status = KDTREE_OK;
+  current_device_sms(&status);
+  if (status != KDTREE_OK) return status;
+  const long long n = (long long)num_tokens * out_words;
+  const int threads = 128;
+  const long long blocks = (n + threads - 1) / threads;
+  kdtree::kdtree_pack_tree_mask_kernel<<<(unsigned)blocks, threads, 0, static_cast<cudaStream_t>(stream_ptr)>>>(
+      custom_mask, mask_indptr, qo_indptr, qo_indptr_dtype == KDTREE_INDEX_INT64, kv_indptr, batch_size, num_tokens,
+      out, out_words);
+  KDTREE_TRY(cudaGetLastError());
+  return KDTREE_OK;
+}
+
+const char* kdtree_status_string(int status) {
+  switch (status) {
+    case KDTREE_OK: return "ok";
+    case KDTREE_ERR_NULL_POINTER: return "a required pointer is NULL";
+    case KDTREE_ERR_BATCH: return "batch_size must be >= 1";
+    case KDTREE_ERR_NUM_TOKENS: return "num_tokens must be >= 1";
+    case KDTREE_ERR_NUM_HEADS: return "num_heads must be in [1, 128]";
+    case KDTREE_ERR_STRIDE: return "a stride is negative or smaller than the row it spans";
+    case KDTREE_ERR_ALIGNMENT: return "a pointer or row stride is not 16-byte aligned (bf16 strides must be multiples of 8)";
+    case KDTREE_ERR_MASK_WORDS: return "tree_mask_words must be in [1, 8] (at most 512 verify tokens per request)";
+    case KDTREE_ERR_INDEX_DTYPE: return "an index dtype code is neither KDTREE_INDEX_INT32 nor KDTREE_INDEX_INT64";
+    case KDTREE_ERR_WORKSPACE: return "workspace is smaller than kdtree_verify_workspace_size()";
+    case KDTREE_ERR_OVERFLOW: return "num_tokens * num_heads is too large for 32-bit row indexing";
+    case KDTREE_ERR_SCALE: return "sm_scale must be finite and > 0";
+    case KDTREE_ERR_NO_DEVICE: return "no usable CUDA device";
+    case KDTREE_ERR_ARCH: return "this build has no kernel image for the current GPU (rebuild with its architecture)";
+    case KDTREE_ERR_NUM_SLOTS: return "num_slots must be >= 1";
+    default: break;
+  }
+  if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));
+  return "unknown kdtree status";
+}
+
+const char* kdtree_compiled_archs(void) { return KDTREE_CUDA_ARCHS_STR; }
+
+}  // extern "C"
