@@ -1,0 +1,390 @@
+"""``verify_attention``: paged tree-verify attention for MLA (see kdtree_verify.h for the math).
+
+CUDA tensors run kdtree's kernel (``kdtree._verify.launch``) on ``torch.cuda.current_stream()``;
+CPU tensors run :func:`kdtree.reference.verify_attention_reference` in float32, so the package is
+usable (and testable) without a GPU or a build of the extension.
+
+Validation here reads only shapes, strides, dtypes, devices and pointers, never tensor values on
+CUDA, so a call can be captured in a CUDA graph. Values that only the device holds (indptr
+contents, slot ids) are the caller's contract; the CPU path checks them too.
+
+Workspace and CUDA graphs: by default the kernel's scratch comes from a per-device, grow-only
+cache sized by ``kdtree._verify.workspace_size(B, T, H)``. It allocates only when a call needs
+more than any earlier call on that device. A CUDA-graph capture must therefore be preceded by an
+eager (warm-up) call of the largest (B, T, H) that will be captured (SGLang's graph runner warms
+up every batch size before capturing it, largest first), or pass ``workspace=`` explicitly; a
+capture that would need to grow the cache raises instead of allocating inside the capture.
+Buffers that a capture has recorded are kept alive for the life of the process when the cache
+grows later, so earlier graphs never replay into freed memory.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from typing import Dict, List, Optional
+
+import torch
+
+from . import _ext
+from .layout import kv_cache_2d, split_mla_q
+from .reference import verify_attention_reference
+
+__all__ = ["verify_attention", "verify_attention_mla", "workspace_for"]
+
+HEAD_DIM_NOPE = 512
+HEAD_DIM_PE = 64
+HEAD_DIM_QK = 576
+HEAD_DIM_V = 512
+MAX_HEADS = 128
+MAX_MASK_WORDS = 8
+INDEX_INT32 = 0
+INDEX_INT64 = 1
+_ALIGN_BYTES = 16
+_WORKSPACE_ALIGN_BYTES = 256
+_INDEX_CODES = {torch.int32: INDEX_INT32, torch.int64: INDEX_INT64}
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers: every message names the argument and what was expected
+# --------------------------------------------------------------------------------------------
+
+def _tensor(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _dtype(t: torch.Tensor, name: str, *dtypes: torch.dtype) -> None:
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {t.dtype}")
+
+
+def _device(t: torch.Tensor, name: str, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q_nope is on {device}: all tensors must be on one device")
+
+
+def _dims(t: torch.Tensor, name: str, dims: int, layout: str) -> None:
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _shape(t: torch.Tensor, name: str, expected: tuple, layout: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must be {layout} = {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def _last_dim_contiguous(t: torch.Tensor, name: str) -> None:
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+    if any(s < 0 for s in t.stride()):
+        raise ValueError(f"{name} has a negative stride {t.stride()}")
+
+
+def _stride(t: torch.Tensor, dim: int, canonical: int) -> int:
+    """Stride of ``dim`` for the kernel; a size-1 dim's stride is meaningless to torch (it can be
+    anything), so the canonical row width is passed instead."""
+    return int(t.stride(dim)) if t.shape[dim] > 1 else canonical
+
+
+def _aligned(t: torch.Tensor, name: str, row_strides) -> None:
+    """CUDA only: 16-byte aligned base pointer and row strides (bf16: multiples of 8 elements)."""
+    if t.data_ptr() % _ALIGN_BYTES:
+        raise ValueError(f"{name} data pointer must be {_ALIGN_BYTES}-byte aligned, got offset "
+                         f"{t.data_ptr() % _ALIGN_BYTES} (slice it at a multiple of 8 elements)")
+    per = _ALIGN_BYTES // t.element_size()
+    for s in row_strides:
+        if s % per:
+            raise ValueError(f"{name} row strides must be multiples of {per} elements "
+                             f"({_ALIGN_BYTES} bytes), got strides {t.stride()}")
+
+
+def _index_vector(t, name: str, device, *dtypes) -> torch.Tensor:
+    _tensor(t, name)
+    _dtype(t, name, *dtypes)
+    _device(t, name, device)
+    _dims(t, name, 1, "")
+    if t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+    return t
+
+
+def _sm_scale(sm_scale) -> float:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a real number (a host float), got {type(sm_scale).__name__}")
+    value = float(sm_scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"sm_scale must be finite and positive, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# workspace cache
+# --------------------------------------------------------------------------------------------
+
+_workspace_lock = threading.Lock()
+_workspace: Dict[int, torch.Tensor] = {}         # device index -> current buffer
+_workspace_captured: Dict[int, bool] = {}        # device index -> current buffer used in a capture
+_workspace_retired: List[torch.Tensor] = []      # buffers recorded by captures; never freed
+
+
+def workspace_for(device: torch.device, nbytes: int) -> torch.Tensor:
+    """The per-device grow-only workspace, at least ``nbytes`` bytes (uint8, 256-byte aligned).
+
+    Allocates (``torch.empty`` on ``device``) only when ``nbytes`` exceeds the cached size; raises
+    RuntimeError instead when that would happen inside a CUDA-graph capture.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capturing = torch.cuda.is_current_stream_capturing()
+    with _workspace_lock:
+        buf = _workspace.get(index)
+        if buf is None or buf.numel() < nbytes:
+            if capturing:
+                have = 0 if buf is None else buf.numel()
+                raise RuntimeError(
+                    f"kdtree workspace on cuda:{index} must grow from {have} to {nbytes} bytes during a CUDA-graph "
+                    f"capture; run one eager verify_attention call of the largest (batch, tokens, heads) before "
+                    f"capturing, or pass workspace= (a uint8 CUDA tensor of kdtree._verify.workspace_size bytes)")
+            if buf is not None and _workspace_captured.get(index):
+                _workspace_retired.append(buf)  # a captured graph still points at it
+            # round up so that small growth steps do not each reallocate
+            size = max(nbytes, 1 << 20)
+            size = 1 << (size - 1).bit_length() if size < (64 << 20) else size
+            buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+            _workspace[index] = buf
+            _workspace_captured[index] = False
+        if capturing:
+            _workspace_captured[index] = True
+        return buf
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+def verify_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k_new: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    *,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Paged tree-verify attention over MLA latents for a batch of B requests.
+
+    Request b owns verify rows ``qo_indptr[b]:qo_indptr[b+1]`` (N_b tokens) and a committed prefix of
+    P_b = ``kv_indptr[b+1] - kv_indptr[b]`` pool slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+    Each row attends to all P_b prefix keys plus the drafts of its request that ``tree_mask``
+    allows (bit j of word ``j // 64``), or drafts ``j <= n`` when ``tree_mask`` is None.
+    ``score = sm_scale * (q_nope . key[:512] + q_pe . key[512:])``, values are ``key[:512]``.
+    A row that sees no key gets zeros.
+
+    Args:
+        q_nope: ``[T, H, 512]`` bfloat16, last dim contiguous, any t/h strides (a view of SGLang's q).
+        q_pe: ``[T, H, 64]`` bfloat16, same T and H, last dim contiguous.
+        kv_cache: ``[S, 576]`` bfloat16 latent pool (see :func:`kdtree.layout.kv_cache_2d`),
+            row stride >= 576, last dim contiguous.
+        kv_indptr: ``[B + 1]`` int32.
+        kv_indices: 1-D int32 or int64 slot ids (may be longer than ``kv_indptr[B]``).
+        qo_indptr: ``[B + 1]`` int32 or int64, ``qo_indptr[B] == T``.
+        k_new: ``[T, 576]`` bfloat16, the verify tokens' own latent rows (row stride >= 576).
+        tree_mask: ``[T, W]`` int64 with ``1 <= W <= 8`` (see :func:`kdtree.layout.build_tree_mask`),
+            or None for a causal chain.
+        sm_scale: positive finite host float (SGLang's ``layer.scaling``).
+        out: optional ``[T, H, 512]`` bfloat16 written in place (last dim contiguous).
+        workspace: optional CUDA uint8 tensor of at least ``kdtree._verify.workspace_size(B, T, H)``
+            bytes, 256-byte aligned; default: the per-device grow-only cache (see the module docs
+            for CUDA graphs).
+    Returns:
+        ``out`` (allocated with ``torch.empty`` when not given), ``[T, H, 512]`` bfloat16.
+
+    Raises:
+        TypeError / ValueError naming the offending argument; ``kdtree.KdtreeError`` if the kernel
+        rejects the launch; ImportError for CUDA tensors when the extension is not built.
+    """
+    _tensor(q_nope, "q_nope")
+    device = q_nope.device
+    for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
+        _tensor(t, name)
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
+        _dtype(t, name, torch.bfloat16)
+        _device(t, name, device)
+
+    _dims(q_nope, "q_nope", 3, f"[T, H, {HEAD_DIM_NOPE}]")
+    T, H = int(q_nope.shape[0]), int(q_nope.shape[1])
+    _shape(q_nope, "q_nope", (T, H, HEAD_DIM_NOPE), f"[T, H, {HEAD_DIM_NOPE}]")
+    if T < 1:
+        raise ValueError(f"q_nope must have at least one verify token (T >= 1), got shape {tuple(q_nope.shape)}")
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"q_nope has {H} heads; kdtree serves 1..{MAX_HEADS} heads per rank")
+    _dims(q_pe, "q_pe", 3, f"[T, H, {HEAD_DIM_PE}]")
+    if tuple(q_pe.shape[:2]) != (T, H):
+        raise ValueError(f"q_pe.shape[:2] must equal q_nope.shape[:2] = {(T, H)}, got {tuple(q_pe.shape[:2])}")
+    _shape(q_pe, "q_pe", (T, H, HEAD_DIM_PE), f"[T, H, {HEAD_DIM_PE}]")
+    _dims(kv_cache, "kv_cache", 2, f"[S, {HEAD_DIM_QK}] (use kdtree.layout.kv_cache_2d on SGLang's [S, 1, 576])")
+    if kv_cache.shape[1] != HEAD_DIM_QK or kv_cache.shape[0] < 1:
+        raise ValueError(f"kv_cache must be [S >= 1, {HEAD_DIM_QK}], got {tuple(kv_cache.shape)}")
+    _dims(k_new, "k_new", 2, f"[T, {HEAD_DIM_QK}]")
+    if k_new.shape[0] != T:
+        raise ValueError(f"k_new must have one row per verify token (T = {T} = q_nope.shape[0]), "
+                         f"got {k_new.shape[0]} rows")
+    _shape(k_new, "k_new", (T, HEAD_DIM_QK), f"[T, {HEAD_DIM_QK}]")
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
+        _last_dim_contiguous(t, name)
+    if kv_cache.shape[0] > 1 and kv_cache.stride(0) < HEAD_DIM_QK:
+        raise ValueError(f"kv_cache row stride must be >= {HEAD_DIM_QK}, got {kv_cache.stride(0)}")
+    if T > 1 and k_new.stride(0) < HEAD_DIM_QK:
+        raise ValueError(f"k_new row stride must be >= {HEAD_DIM_QK}, got {k_new.stride(0)}")
+
+    _index_vector(kv_indptr, "kv_indptr", device, torch.int32)
+    _index_vector(kv_indices, "kv_indices", device, torch.int32, torch.int64)
+    _index_vector(qo_indptr, "qo_indptr", device, torch.int32, torch.int64)
+    if kv_indptr.shape[0] < 2:
+        raise ValueError(f"kv_indptr must be [B + 1] with B >= 1, got length {kv_indptr.shape[0]}")
+    if qo_indptr.shape[0] != kv_indptr.shape[0]:
+        raise ValueError(f"qo_indptr and kv_indptr must both be [B + 1]: got lengths {qo_indptr.shape[0]} "
+                         f"and {kv_indptr.shape[0]}")
+    B = int(kv_indptr.shape[0]) - 1
+
+    words = 0
+    if tree_mask is not None:
+        _tensor(tree_mask, "tree_mask")
+        _dtype(tree_mask, "tree_mask", torch.int64)
+        _device(tree_mask, "tree_mask", device)
+        _dims(tree_mask, "tree_mask", 2, "[T, W] (packed bits, see kdtree.layout.build_tree_mask)")
+        if tree_mask.shape[0] != T:
+            raise ValueError(f"tree_mask must have one row per verify token (T = {T}), got {tree_mask.shape[0]} rows")
+        words = int(tree_mask.shape[1])
+        if not 1 <= words <= MAX_MASK_WORDS:
+            raise ValueError(f"tree_mask must have 1..{MAX_MASK_WORDS} words per row (at most "
+                             f"{64 * MAX_MASK_WORDS} verify tokens per request), got {words}")
+        if not tree_mask.is_contiguous():  # the ABI has no row stride for it: [T, W] dense
+            raise ValueError(f"tree_mask must be contiguous ([T, W] row-major), got strides {tree_mask.stride()}")
+
+    scale = _sm_scale(sm_scale)
+
+    if out is not None:
+        _tensor(out, "out")
+        _dtype(out, "out", torch.bfloat16)
+        _device(out, "out", device)
+        _dims(out, "out", 3, f"[T, H, {HEAD_DIM_V}]")
+        _shape(out, "out", (T, H, HEAD_DIM_V), f"[T, H, {HEAD_DIM_V}]")
+        _last_dim_contiguous(out, "out")
+        if (T > 1 and out.stride(0) < HEAD_DIM_V) or (H > 1 and out.stride(1) < HEAD_DIM_V):
+            raise ValueError(f"out rows must not overlap (t and h strides >= {HEAD_DIM_V}), got strides {out.stride()}")
+
+    if device.type != "cuda":
+        if workspace is not None:
+            raise ValueError(f"workspace is only used for CUDA tensors; got one on {workspace.device} "
+                             f"while the inputs are on {device}")
+        result = verify_attention_reference(
+            q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, scale,
+            dtype=torch.float32)
+        if out is None:
+            return result.to(q_nope.dtype)
+        out.copy_(result)
+        return out
+
+    # ---------------------------------------------------------------- CUDA
+    if out is None:
+        out = torch.empty((T, H, HEAD_DIM_V), dtype=torch.bfloat16, device=device)
+    _aligned(q_nope, "q_nope", (_stride(q_nope, 0, H * HEAD_DIM_NOPE), _stride(q_nope, 1, HEAD_DIM_NOPE)))
+    _aligned(q_pe, "q_pe", (_stride(q_pe, 0, H * HEAD_DIM_PE), _stride(q_pe, 1, HEAD_DIM_PE)))
+    _aligned(kv_cache, "kv_cache", (_stride(kv_cache, 0, HEAD_DIM_QK),))
+    _aligned(k_new, "k_new", (_stride(k_new, 0, HEAD_DIM_QK),))
+    _aligned(out, "out", (_stride(out, 0, H * HEAD_DIM_V), _stride(out, 1, HEAD_DIM_V)))
+
+    ext = _ext.load()
+    with torch.cuda.device(device):
+        need = int(ext.workspace_size(B, T, H))
+        if workspace is None:
+            workspace = workspace_for(device, need)
+        else:
+            _tensor(workspace, "workspace")
+            _dtype(workspace, "workspace", torch.uint8)
+            _device(workspace, "workspace", device)
+            if workspace.dim() != 1 or (workspace.numel() > 1 and workspace.stride(0) != 1):
+                raise ValueError(f"workspace must be a contiguous 1-D uint8 tensor, got shape "
+                                 f"{tuple(workspace.shape)} strides {workspace.stride()}")
+            if workspace.numel() < need:
+                raise ValueError(f"workspace must hold at least {need} bytes (kdtree._verify.workspace_size"
+                                 f"({B}, {T}, {H})), got {workspace.numel()}")
+            if workspace.data_ptr() % _WORKSPACE_ALIGN_BYTES:
+                raise ValueError(f"workspace data pointer must be {_WORKSPACE_ALIGN_BYTES}-byte aligned")
+
+        # An empty kv_indices (every prefix empty) may have a NULL data pointer; the kernel never
+        # reads it then (all P_b are 0), so any valid device pointer stands in.
+        kv_indices_ptr = kv_indices.data_ptr() if kv_indices.numel() else kv_indptr.data_ptr()
+        ext.launch(
+            q_nope=q_nope.data_ptr(),
+            q_nope_stride_t=_stride(q_nope, 0, H * HEAD_DIM_NOPE),
+            q_nope_stride_h=_stride(q_nope, 1, HEAD_DIM_NOPE),
+            q_pe=q_pe.data_ptr(),
+            q_pe_stride_t=_stride(q_pe, 0, H * HEAD_DIM_PE),
+            q_pe_stride_h=_stride(q_pe, 1, HEAD_DIM_PE),
+            kv_cache=kv_cache.data_ptr(),
+            kv_stride_s=_stride(kv_cache, 0, HEAD_DIM_QK),
+            num_slots=int(kv_cache.shape[0]),
+            kv_indices=kv_indices_ptr,
+            kv_indices_dtype=_INDEX_CODES[kv_indices.dtype],
+            kv_indptr=kv_indptr.data_ptr(),
+            k_new=k_new.data_ptr(),
+            k_new_stride_t=_stride(k_new, 0, HEAD_DIM_QK),
+            qo_indptr=qo_indptr.data_ptr(),
+            qo_indptr_dtype=_INDEX_CODES[qo_indptr.dtype],
+            tree_mask=0 if tree_mask is None else tree_mask.data_ptr(),
+            tree_mask_words=words,
+            out=out.data_ptr(),
+            out_stride_t=_stride(out, 0, H * HEAD_DIM_V),
+            out_stride_h=_stride(out, 1, HEAD_DIM_V),
+            batch_size=B,
+            num_tokens=T,
+            num_heads=H,
+            sm_scale=scale,
+            workspace=workspace.data_ptr(),
+            workspace_bytes=int(workspace.numel()),
+            stream=torch.cuda.current_stream(device).cuda_stream,
+        )
+    return out
+
+
+def verify_attention_mla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    *,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`verify_attention` on SGLang's MLA tensors as the backend receives them.
+
+    Args:
+        q: ``[T, H, 576]`` bfloat16 (nope then rope; split with views).
+        k: ``[T, 1, 576]`` or ``[T, 576]`` bfloat16, the verify tokens' latent rows.
+        key_buffer: the pool's ``[S, 1, 576]`` (or ``[S, 576]``) bfloat16 key buffer.
+        kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, workspace: as in verify_attention.
+    Returns:
+        ``[T, H, 512]`` bfloat16.
+    """
+    q_nope, q_pe = split_mla_q(q)
+    _tensor(k, "k")
+    if k.dim() == 3:
+        if k.shape[1] != 1:
+            raise ValueError(f"k must be [T, 1, {HEAD_DIM_QK}] or [T, {HEAD_DIM_QK}], got {tuple(k.shape)}")
+        k = k.select(1, 0)
+    return verify_attention(q_nope, q_pe, kv_cache_2d(key_buffer), kv_indptr, kv_indices, qo_indptr, k,
+                            tree_mask, sm_scale, out=out, workspace=workspace)
