@@ -1,0 +1,171 @@
+"""kdtree vs SGLang's Triton extend kernel on the PERF.md shape set, in one process, same inputs.
+
+Run on a GPU machine (SGLang importable: `source .carry/sglang/activate` on the device machine):
+    python benchmarks/bench.py --out results.json [--quick] [--no-sglang]
+Writes one JSON record per shape; benchmarks/report.py turns it into the Markdown table and plot.
+
+Conventions (PERF.md): CUDA-event medians after warm-up (triton.testing.do_bench), the whole kdtree
+call timed (mask rebuild + plan + split + combine), a pool several times larger than L2 with shuffled
+slots, random data, floors from the measured H200 ceilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import kdtree  # noqa: E402
+from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q  # noqa: E402
+from kdtree.synthetic import make_verify_batch  # noqa: E402
+
+MEM_BW = 4.23e12        # B/s, measured copy bandwidth (PERF.md)
+MMA_WGMMA = 773e12      # FLOP/s, cuBLAS bf16 (PERF.md floor convention)
+MMA_SYNC = 640e12       # FLOP/s, mma.sync m16n8k16 register-only loop (PERF.md)
+BYTES_PER_KEY = 576 * 2
+FLOP_PER_ROW_KEY = 2 * (576 + 512)
+MIN_POOL_SLOTS = 262_144  # 302 MB of bf16 latent rows: several times the 50-60 MB L2
+
+
+def shapes(quick: bool):
+    rows = []
+    for p in [8192, 32768, 131072, 185000]:
+        rows.append(dict(name=f"H16 N9 tree P{p}", prefixes=[p], heads=16, n=9))
+    for n, none in [(1, False), (16, True), (33, False), (65, False)]:
+        rows.append(dict(name=f"H16 N{n} {'chain(None)' if none else 'tree'} P131072", prefixes=[131072],
+                         heads=16, n=n, causal_none=none, pad=4 if n == 33 else 0))
+    for h, p in [(8, 131072), (32, 131072), (128, 32768)]:
+        rows.append(dict(name=f"H{h} N9 tree P{p}", prefixes=[p], heads=h, n=9))
+    rag = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]
+    rows.append(dict(name="B8 ragged 4k..64k H16 N9", prefixes=rag, heads=16, n=9))
+    rows.append(dict(name="H16 N9 tree P131072 contiguous", prefixes=[131072], heads=16, n=9, shuffle=False))
+    if quick:
+        rows = [r for r in rows if r["name"] in ("H16 N9 tree P8192", "H16 N9 tree P131072", "H16 N1 tree P131072")]
+    return rows
+
+
+def floors(prefixes, heads, n):
+    keys = sum(p + n for p in prefixes)
+    rows = heads * n
+    byts = keys * BYTES_PER_KEY
+    flops = FLOP_PER_ROW_KEY * rows * keys
+    return byts, flops, max(byts / MEM_BW, flops / MMA_WGMMA), max(byts / MEM_BW, flops / MMA_SYNC)
+
+
+def bench_ms(fn, rep_ms):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+
+def sglang_extend():
+    try:
+        from sglang_env import import_sglang  # tests/sglang_env.py
+        return import_sglang().extend_attention_fwd
+    except BaseException as e:  # noqa: BLE001 - pytest.skip raises a BaseException; run without it
+        print(f"[bench] SGLang Triton baseline unavailable: {e!r}", file=sys.stderr)
+        return None
+
+
+def run_shape(s, extend_fwd, seed):
+    b = make_verify_batch(s["prefixes"], s["heads"], s["n"], kind="tree", pad=s.get("pad", 0),
+                          causal_none=s.get("causal_none", False), device="cuda", seed=seed,
+                          shuffle=s.get("shuffle", True), min_pool_slots=MIN_POOL_SLOTS, poison=False)
+    t, h = b.q.shape[:2]
+    q_nope, q_pe = split_mla_q(b.q)
+    kv = kv_cache_2d(b.kv_buffer)
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
+
+    def kd():
+        tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
+        kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
+                                b.sm_scale, out=out)
+
+    kd()
+    torch.cuda.synchronize()
+    kd_ms = bench_ms(kd, 300)
+    rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
+               shuffled=s.get("shuffle", True), kdtree_us=kd_ms * 1e3)
+    byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"])
+    rec.update(kv_bytes=byts, flops=flops, floor_us=floor * 1e6, floor_mma_sync_us=floor_sync * 1e6,
+               kdtree_gbps=byts / (kd_ms * 1e-3) / 1e9, kdtree_tflops=flops / (kd_ms * 1e-3) / 1e12,
+               pct_floor=100 * floor / (kd_ms * 1e-3))
+    if extend_fwd is not None:
+        o = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
+        kb = b.kv_buffer
+        vb = kb[..., :512]
+        qo = b.qo_indptr
+        mask = b.custom_mask
+
+        def tri():
+            extend_fwd(b.q, b.k, b.k[..., :512], o, kb, vb, qo, b.kv_indptr, b.kv_indices, mask, True,
+                       b.mask_indptr, b.max_n, 1.0, 1.0, sm_scale=b.sm_scale)
+
+        tri()
+        torch.cuda.synchronize()
+        tri_ms = bench_ms(tri, 400)
+        rec["sglang_us"] = tri_ms * 1e3
+        rec["speedup"] = tri_ms / kd_ms
+        kd()
+        torch.cuda.synchronize()
+        diff = (out.float() - o.float()).norm() / o.float().norm()
+        rec["rel_err_vs_sglang"] = diff.item()
+    del b
+    torch.cuda.empty_cache()
+    return rec
+
+
+def environment():
+    import triton
+    env = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+               kdtree=kdtree.__version__)
+    try:
+        import subprocess
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        env["driver"] = "unknown"
+    try:
+        import importlib.metadata as md
+        env["sglang"] = md.version("sglang")
+    except Exception:  # noqa: BLE001
+        try:
+            import sglang
+            env["sglang"] = getattr(sglang, "__version__", "0.5.23 (device bundle)")
+        except Exception:  # noqa: BLE001
+            env["sglang"] = "not importable"
+    return env
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--only", default="", help="substring filter on shape names")
+    args = ap.parse_args()
+    extend_fwd = None if args.no_sglang else sglang_extend()
+    env = environment()
+    recs = []
+    for i, s in enumerate(shapes(args.quick)):
+        if args.only and args.only not in s["name"]:
+            continue
+        rec = run_shape(s, extend_fwd, seed=100 + i)
+        recs.append(rec)
+        print(f"{rec['name']:<34} kdtree {rec['kdtree_us']:9.1f} us  floor {rec['floor_us']:7.1f} us "
+              f"({rec['pct_floor']:5.1f}%)  {rec['kdtree_gbps']:7.0f} GB/s {rec['kdtree_tflops']:6.1f} TF/s"
+              + (f"  sglang {rec['sglang_us']:9.1f} us  x{rec['speedup']:6.1f}  err {rec['rel_err_vs_sglang']:.1e}"
+                 if "sglang_us" in rec else ""), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(env=env, results=recs), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

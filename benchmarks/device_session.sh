@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
+#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [sglang]
+# Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
+# carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kdtree-out}
+mkdir -p "$OUT"
+stages=" $* "
+has() { [[ "$stages" == *" $1 "* ]]; }
+log() { echo "[session $(date +%H:%M:%S)] $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+if ! python3 -c "import pytest" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -f .carry/sglang/activate ]; then source .carry/sglang/activate; fi
+
+if has build; then
+  log build
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
+  t0=$(date +%s)
+  python3 -m pip install --no-build-isolation --no-deps -v . -C cmake.define.KDTREE_CUDA_ARCHS="$arch" \
+      -C cmake.define.KDTREE_PTXAS_VERBOSE=ON > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  log "build ok in $(( $(date +%s) - t0 )) s"; grep -E "registers|spill|smem" "$OUT/build.log" | sort -u | head -20
+  (cd /tmp && python3 -m kdtree info) || exit 1
+fi
+if has test; then
+  log "gpu tests"
+  (cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider "$OLDPWD/tests" -x 2>&1) | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    for c in small split; do
+      log "compute-sanitizer $tool $c"
+      compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "$OUT/sanitize_${tool}_${c}.log" 2>&1
+      echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "$OUT/sanitize_${tool}_${c}.log" | tr '\n' ' ')"
+    done
+  done
+fi
+if has ncu; then
+  log ncu
+  ncu --clock-control none --kernel-name regex:kdtree_verify_split --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats python3 benchmarks/bench.py --no-sglang --quick --only P131072 --out /tmp/ncu_bench.json \
+      > "$OUT/ncu.txt" 2>&1; grep -E "Duration|Throughput|Pipe|Issue|Stall|Achieved|Registers|L2 Hit|Mem Busy" "$OUT/ncu.txt" | head -40
+fi
+if has bench; then
+  log bench
+  extra=""; has quick && extra="--quick"; has sglang || extra="$extra --no-sglang"
+  python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
+fi
+log done

@@ -1,0 +1,29 @@
+"""One kdtree call for compute-sanitizer: `small` (one split per request, B=2) or `split` (split-K + combine).
+
+    compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small
+Exits non-zero if the result is off the reference, so a sanitizer run also checks the numbers.
+"""
+import sys
+
+import torch
+
+import kdtree
+from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
+from kdtree.reference import verify_attention_reference
+from kdtree.synthetic import make_verify_batch
+
+case = sys.argv[1] if len(sys.argv) > 1 else "small"
+prefixes = {"small": [40, 0], "split": [3000, 70]}[case]
+b = make_verify_batch(prefixes, 16, 9, kind="tree", pad=2, device="cuda", seed=1)
+q_nope, q_pe = split_mla_q(b.q)
+t = b.q.shape[0]
+tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
+args = dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.kv_buffer), kv_indptr=b.kv_indptr,
+            kv_indices=b.kv_indices, qo_indptr=b.qo_indptr, k_new=b.k[:, 0], tree_mask=tree, sm_scale=b.sm_scale)
+out = kdtree.verify_attention(**args)
+torch.cuda.synchronize()
+ref = verify_attention_reference(**args)
+err = ((out.float() - ref).norm() / ref.norm()).item()
+print(f"sanitize case {case}: prefixes {prefixes}, rel err {err:.2e}")
+sys.exit(0 if err < 1e-2 and torch.isfinite(out).all() else 1)

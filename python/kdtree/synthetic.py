@@ -1,0 +1,130 @@
+"""Synthetic TARGET_VERIFY batches in SGLang's exact layout, for checks, tests and benchmarks.
+
+A batch holds what SGLang hands ``forward_extend`` on a verify step of an MLA model:
+``q`` [T, H, 576], the new latent rows ``k`` [T, 1, 576], a page-size-1 KV pool [S, 1, 576] whose
+slots are a random permutation (unused slots poisoned with NaN), ``kv_indptr``/``kv_indices``,
+``qo_indptr`` and SGLang's flat ``custom_mask`` (or None for a causal chain).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["VerifyBatch", "make_verify_batch", "random_tree_visibility"]
+
+
+@dataclass
+class VerifyBatch:
+    q: torch.Tensor              # [T, H, 576] bf16
+    k: torch.Tensor              # [T, 1, 576] bf16, the verify tokens' latent rows
+    kv_buffer: torch.Tensor      # [S, 1, 576] bf16 pool; unused slots NaN when poisoned
+    kv_indptr: torch.Tensor      # [B + 1] int32
+    kv_indices: torch.Tensor     # [sum P] int64
+    qo_indptr: torch.Tensor      # [B + 1] int32
+    custom_mask: Optional[torch.Tensor]  # flat bool, SGLang layout, or None (causal)
+    mask_indptr: torch.Tensor    # [B + 1] int64
+    out_cache_loc: torch.Tensor  # [T] int64 free slots where SGLang would save k
+    sm_scale: float
+    max_n: int
+    visibility: list             # per request: [N, N] bool tree block (what the mask encodes)
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+
+def random_tree_visibility(n: int, kind: str, gen: torch.Generator, pad: int = 0) -> torch.Tensor:
+    """[n, n] bool: row i sees draft j. kinds: 'tree' (random parents before children, node 0 the root),
+    'chain' (causal), 'star' (everyone sees the root and itself), 'deep' (a chain). The last ``pad`` rows
+    are all False (DDTree padding nodes)."""
+    vis = torch.zeros(n, n, dtype=torch.bool)
+    if kind in ("chain", "deep"):
+        vis = torch.ones(n, n, dtype=torch.bool).tril()
+    elif kind == "star":
+        vis[:, 0] = True
+        vis |= torch.eye(n, dtype=torch.bool)
+    elif kind == "tree":
+        parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        for i in range(n):
+            j = i
+            while j >= 0:
+                vis[i, j] = True
+                j = parent[j]
+    else:
+        raise ValueError(f"kind must be one of tree/chain/star/deep, got {kind!r}")
+    if pad:
+        vis[n - pad:] = False
+    return vis
+
+
+def make_verify_batch(
+    prefixes: Sequence[int],
+    num_heads: int,
+    num_tokens: int,
+    *,
+    kind: str = "tree",
+    pad: int = 0,
+    causal_none: bool = False,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    pool_factor: float = 2.0,
+    min_pool_slots: int = 0,
+    shuffle: bool = True,
+    poison: bool = True,
+    sm_scale: float = 192 ** -0.5,
+) -> VerifyBatch:
+    """Build one verify batch: ``len(prefixes)`` requests, each with ``num_tokens`` verify tokens.
+
+    ``causal_none=True`` passes ``custom_mask=None`` (DFlash chains); otherwise SGLang's flat mask is
+    built from a random visibility of ``kind`` with ``pad`` all-False rows (prefix columns too)."""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)                 # trees (host)
+    dgen = torch.Generator(device=dev).manual_seed(seed)      # tensors, drawn where they live
+    b = len(prefixes)
+    n = num_tokens
+    total_p = int(sum(prefixes))
+    t = b * n
+    need = total_p + t + 1
+    slots = max(int(math.ceil(need * pool_factor)), need, min_pool_slots)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=dgen, device=dev).to(torch.bfloat16)
+
+    # slot 0 is SGLang's padding slot: never handed out
+    perm = (torch.randperm(slots - 1, generator=dgen, device=dev) + 1 if shuffle
+            else torch.arange(1, slots, device=dev))
+    if poison:
+        pool = torch.full((slots, 1, 576), float("nan"), dtype=torch.bfloat16, device=dev)
+    else:
+        pool = randn(slots, 1, 576)
+    kv_indices = perm[:total_p].to(torch.int64)
+    out_cache_loc = perm[total_p:total_p + t].to(torch.int64)
+    pool[kv_indices] = randn(total_p, 1, 576)
+    q = randn(t, num_heads, 576)
+    k = randn(t, 1, 576)
+    kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.tensor(list(prefixes), dtype=torch.int64).cumsum(0).to(torch.int32)
+    qo_indptr = torch.arange(0, t + 1, n, dtype=torch.int32)
+    vis_all, blocks, mask_indptr = [], [], [0]
+    for p in prefixes:
+        vis = random_tree_visibility(n, "chain" if causal_none else kind, gen, pad=0 if causal_none else pad)
+        vis_all.append(vis)
+        block = torch.zeros(n, p + n, dtype=torch.bool)
+        block[:, :p] = True
+        if pad and not causal_none:
+            block[n - pad:, :p] = False
+        block[:, p:] = vis
+        blocks.append(block.flatten())
+        mask_indptr.append(mask_indptr[-1] + n * (p + n))
+    custom_mask = None if causal_none else torch.cat(blocks)
+    return VerifyBatch(
+        q=q, k=k, kv_buffer=pool, kv_indptr=kv_indptr.to(dev),
+        kv_indices=kv_indices, qo_indptr=qo_indptr.to(dev),
+        custom_mask=None if custom_mask is None else custom_mask.to(dev),
+        mask_indptr=torch.tensor(mask_indptr, dtype=torch.int64, device=dev),
+        out_cache_loc=out_cache_loc, sm_scale=float(sm_scale), max_n=n, visibility=vis_all,
+    )

@@ -1,0 +1,188 @@
+"""The CUDA kernel against the float32 reference, on a GPU (skipped without one).
+
+Every case: fresh random inputs, shuffled page-size-1 slots, every pool slot the call must not read
+set to NaN, the output pre-filled with NaN (so an unwritten element fails), SGLang's own mask layout
+rebuilt on the device. KDTREE_TEST_LARGE=1 widens the grid.
+"""
+
+import os
+
+import pytest
+import torch
+
+import kdtree
+from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
+from kdtree.reference import verify_attention_reference
+from kdtree.synthetic import make_verify_batch
+
+pytestmark = pytest.mark.gpu
+
+LARGE = os.environ.get("KDTREE_TEST_LARGE") == "1"
+# bf16 inputs, fp32 accumulation, bf16 P and bf16 output: a few 1e-3 relative; 1e-2 leaves margin
+# for long prefixes while a wrong key, a wrong mask bit or a dropped split still fails by far.
+REL_TOL = 1e-2
+
+
+def _inputs(batch):
+    q_nope, q_pe = split_mla_q(batch.q)
+    kv = kv_cache_2d(batch.kv_buffer)
+    t = batch.q.shape[0]
+    tree = build_tree_mask(batch.custom_mask, batch.mask_indptr, batch.qo_indptr, batch.kv_indptr, t, batch.max_n)
+    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv, kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices,
+                qo_indptr=batch.qo_indptr, k_new=batch.k[:, 0], tree_mask=tree, sm_scale=batch.sm_scale)
+
+
+def _run(batch, **kw):
+    args = _inputs(batch)
+    t, h = batch.q.shape[:2]
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=batch.q.device)
+    kdtree.verify_attention(**args, out=out, **kw)
+    return out, args
+
+
+def _check(out, args):
+    ref = verify_attention_reference(**args)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf (unwritten element or poisoned slot read)"
+    err = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
+    max_abs = (out.float() - ref.float()).abs().max().item()
+    assert err.item() < REL_TOL, f"relative L2 error {err.item():.3e} (max abs {max_abs:.3e})"
+    return err.item()
+
+
+HEADS = [1, 8, 16, 128]
+TOKENS = [1, 9, 16, 33, 64]
+PREFIXES = [0, 1, 7, 1000, 65536] if LARGE else [0, 1, 7, 1000]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_heads_tokens_grid(heads, tokens):
+    if heads * tokens > 2048 and not LARGE:
+        pytest.skip("large row count only with KDTREE_TEST_LARGE=1")
+    batch = make_verify_batch([1000], heads, tokens, kind="tree", pad=min(2, tokens - 1),
+                              device="cuda", seed=heads * 100 + tokens)
+    out, args = _run(batch)
+    _check(out, args)
+
+
+@pytest.mark.parametrize("prefix", PREFIXES + [15, 16, 17, 255, 256, 257])
+def test_prefix_lengths(prefix):
+    batch = make_verify_batch([prefix], 16, 9, kind="tree", device="cuda", seed=prefix)
+    out, args = _run(batch)
+    _check(out, args)
+
+
+def test_long_prefix_split_k():
+    batch = make_verify_batch([65536], 16, 9, kind="tree", pad=2, device="cuda", seed=7)
+    out, args = _run(batch)
+    _check(out, args)
+
+
+@pytest.mark.parametrize("kind", ["tree", "chain", "star", "deep"])
+def test_tree_shapes(kind):
+    batch = make_verify_batch([300, 5000], 16, 33, kind=kind, device="cuda", seed=3)
+    out, args = _run(batch)
+    _check(out, args)
+
+
+def test_causal_none_dflash_chain():
+    batch = make_verify_batch([4000, 1], 16, 16, causal_none=True, device="cuda", seed=11)
+    assert batch.custom_mask is None
+    out, args = _run(batch)
+    assert args["tree_mask"] is None
+    _check(out, args)
+
+
+def test_all_false_padding_rows_with_and_without_prefix():
+    # DDTree pads unused nodes with all-False rows: with a prefix they see it; with P == 0 they see
+    # nothing and must come out as zeros, never NaN.
+    batch = make_verify_batch([0, 2000], 8, 33, kind="tree", pad=5, device="cuda", seed=5)
+    out, args = _run(batch)
+    _check(out, args)
+    t0 = slice(33 - 5, 33)  # padding rows of request 0 (P = 0)
+    assert (out[t0].float() == 0).all()
+
+
+def test_ragged_batch():
+    prefixes = [65536, 7, 1000, 1] if LARGE else [9000, 7, 1000, 1]
+    batch = make_verify_batch(prefixes, 16, 9, kind="tree", pad=1, device="cuda", seed=21)
+    out, args = _run(batch)
+    _check(out, args)
+
+
+def test_empty_request_in_batch():
+    batch = make_verify_batch([100, 0, 300], 4, 9, device="cuda", seed=2)
+    out, args = _run(batch)
+    _check(out, args)
+
+
+def test_index_dtypes():
+    batch = make_verify_batch([3000, 17], 16, 9, device="cuda", seed=8)
+    args = _inputs(batch)
+    args["kv_indices"] = args["kv_indices"].to(torch.int32)
+    args["qo_indptr"] = args["qo_indptr"].to(torch.int64)   # SGLang's dtype under CUDA graphs
+    out = kdtree.verify_attention(**args)
+    _check(out, args)
+
+
+def test_gpu_mask_pack_matches_cpu():
+    batch = make_verify_batch([50, 0, 7], 2, 70, kind="tree", pad=3, device="cuda", seed=4)
+    t = batch.q.shape[0]
+    gpu = build_tree_mask(batch.custom_mask, batch.mask_indptr, batch.qo_indptr, batch.kv_indptr, t, 70)
+    cpu = build_tree_mask(batch.custom_mask.cpu(), batch.mask_indptr.cpu(), batch.qo_indptr.cpu(),
+                          batch.kv_indptr.cpu(), t, 70)
+    assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_deterministic_and_batch_invariant():
+    solo = make_verify_batch([20000], 16, 9, device="cuda", seed=9)
+    out1, args = _run(solo)
+    out2 = kdtree.verify_attention(**args)
+    assert torch.equal(out1, out2), "two runs on the same inputs differ"
+    # the same request inside a batch (other requests around it) gives bit-identical rows
+    big = make_verify_batch([500, 20000, 3000], 16, 9, device="cuda", seed=9)
+    big_args = _inputs(big)
+    lo, hi = int(big.kv_indptr[1]), int(big.kv_indptr[2])
+    big.kv_buffer[big.kv_indices[lo:hi]] = solo.kv_buffer[solo.kv_indices]
+    big.q[9:18] = solo.q
+    big.k[9:18] = solo.k
+    big_args["tree_mask"][9:18] = args["tree_mask"]
+    out_b = kdtree.verify_attention(**big_args)
+    assert torch.equal(out_b[9:18], out1), "a request's result depends on its batch mates"
+
+
+def test_non_default_stream():
+    batch = make_verify_batch([5000, 3], 16, 9, device="cuda", seed=12)
+    args = _inputs(batch)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = kdtree.verify_attention(**args)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    _check(out, args)
+
+
+def test_cuda_graph_capture_and_replay():
+    batch = make_verify_batch([6000, 100], 16, 9, device="cuda", seed=13)
+    args = _inputs(batch)
+    t, h = batch.q.shape[:2]
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
+    kdtree.verify_attention(**args, out=out)      # warm-up: workspace sized outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kdtree.verify_attention(**args, out=out)
+    # new values in the same buffers, then replay
+    fresh = make_verify_batch([6000, 100], 16, 9, device="cuda", seed=14)
+    args["q_nope"].copy_(split_mla_q(fresh.q)[0])
+    args["q_pe"].copy_(split_mla_q(fresh.q)[1])
+    batch.kv_buffer.copy_(fresh.kv_buffer)
+    args["kv_indices"].copy_(fresh.kv_indices)
+    args["k_new"].copy_(fresh.k[:, 0])
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    _check(out, args)
+    eager = kdtree.verify_attention(**args)
+    assert torch.equal(eager, out), "graph replay differs from eager"
