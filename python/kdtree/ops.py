@@ -84,10 +84,23 @@ def _last_dim_contiguous(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} has a negative stride {t.stride()}")
 
 
-def _stride(t: torch.Tensor, dim: int, canonical: int) -> int:
-    """Stride of ``dim`` for the kernel; a size-1 dim's stride is meaningless to torch (it can be
-    anything), so the canonical row width is passed instead."""
-    return int(t.stride(dim)) if t.shape[dim] > 1 else canonical
+def _row_strides(t: torch.Tensor, name: str, width: int):
+    """(t stride, h stride) of a ``[T, H, width]`` tensor as the kernel will walk it.
+
+    A size-1 dim's stride is meaningless to torch (it can be anything), so a canonical value is
+    passed instead. The kernel reads rows ``t * stride_t + h * stride_h``: heads of one token must
+    not overlap, nor tokens (stride_t >= (H - 1) * stride_h + width), so t/h-transposed layouts
+    are refused.
+    """
+    T, H = int(t.shape[0]), int(t.shape[1])
+    sh = int(t.stride(1)) if H > 1 else width
+    st = int(t.stride(0)) if T > 1 else H * sh
+    if sh < width:
+        raise ValueError(f"{name} head stride must be >= {width} (heads must not overlap), got strides {t.stride()}")
+    if st < (H - 1) * sh + width:
+        raise ValueError(f"{name} token stride must be >= (H - 1) * head stride + {width} = {(H - 1) * sh + width} "
+                         f"(token-major layout), got strides {t.stride()}")
+    return st, sh
 
 
 def _aligned(t: torch.Tensor, name: str, row_strides) -> None:
@@ -240,6 +253,10 @@ def verify_attention(
     _shape(k_new, "k_new", (T, HEAD_DIM_QK), f"[T, {HEAD_DIM_QK}]")
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
         _last_dim_contiguous(t, name)
+    q_nope_st, q_nope_sh = _row_strides(q_nope, "q_nope", HEAD_DIM_NOPE)
+    q_pe_st, q_pe_sh = _row_strides(q_pe, "q_pe", HEAD_DIM_PE)
+    kv_st = int(kv_cache.stride(0)) if kv_cache.shape[0] > 1 else HEAD_DIM_QK
+    k_new_st = int(k_new.stride(0)) if T > 1 else HEAD_DIM_QK
     if kv_cache.shape[0] > 1 and kv_cache.stride(0) < HEAD_DIM_QK:
         raise ValueError(f"kv_cache row stride must be >= {HEAD_DIM_QK}, got {kv_cache.stride(0)}")
     if T > 1 and k_new.stride(0) < HEAD_DIM_QK:
@@ -279,8 +296,7 @@ def verify_attention(
         _dims(out, "out", 3, f"[T, H, {HEAD_DIM_V}]")
         _shape(out, "out", (T, H, HEAD_DIM_V), f"[T, H, {HEAD_DIM_V}]")
         _last_dim_contiguous(out, "out")
-        if (T > 1 and out.stride(0) < HEAD_DIM_V) or (H > 1 and out.stride(1) < HEAD_DIM_V):
-            raise ValueError(f"out rows must not overlap (t and h strides >= {HEAD_DIM_V}), got strides {out.stride()}")
+        _row_strides(out, "out", HEAD_DIM_V)
 
     if device.type != "cuda":
         if workspace is not None:
@@ -297,11 +313,12 @@ def verify_attention(
     # ---------------------------------------------------------------- CUDA
     if out is None:
         out = torch.empty((T, H, HEAD_DIM_V), dtype=torch.bfloat16, device=device)
-    _aligned(q_nope, "q_nope", (_stride(q_nope, 0, H * HEAD_DIM_NOPE), _stride(q_nope, 1, HEAD_DIM_NOPE)))
-    _aligned(q_pe, "q_pe", (_stride(q_pe, 0, H * HEAD_DIM_PE), _stride(q_pe, 1, HEAD_DIM_PE)))
-    _aligned(kv_cache, "kv_cache", (_stride(kv_cache, 0, HEAD_DIM_QK),))
-    _aligned(k_new, "k_new", (_stride(k_new, 0, HEAD_DIM_QK),))
-    _aligned(out, "out", (_stride(out, 0, H * HEAD_DIM_V), _stride(out, 1, HEAD_DIM_V)))
+    out_st, out_sh = _row_strides(out, "out", HEAD_DIM_V)
+    _aligned(q_nope, "q_nope", (q_nope_st, q_nope_sh))
+    _aligned(q_pe, "q_pe", (q_pe_st, q_pe_sh))
+    _aligned(kv_cache, "kv_cache", (kv_st,))
+    _aligned(k_new, "k_new", (k_new_st,))
+    _aligned(out, "out", (out_st, out_sh))
 
     ext = _ext.load()
     with torch.cuda.device(device):
@@ -326,26 +343,26 @@ def verify_attention(
         kv_indices_ptr = kv_indices.data_ptr() if kv_indices.numel() else kv_indptr.data_ptr()
         ext.launch(
             q_nope=q_nope.data_ptr(),
-            q_nope_stride_t=_stride(q_nope, 0, H * HEAD_DIM_NOPE),
-            q_nope_stride_h=_stride(q_nope, 1, HEAD_DIM_NOPE),
+            q_nope_stride_t=q_nope_st,
+            q_nope_stride_h=q_nope_sh,
             q_pe=q_pe.data_ptr(),
-            q_pe_stride_t=_stride(q_pe, 0, H * HEAD_DIM_PE),
-            q_pe_stride_h=_stride(q_pe, 1, HEAD_DIM_PE),
+            q_pe_stride_t=q_pe_st,
+            q_pe_stride_h=q_pe_sh,
             kv_cache=kv_cache.data_ptr(),
-            kv_stride_s=_stride(kv_cache, 0, HEAD_DIM_QK),
+            kv_stride_s=kv_st,
             num_slots=int(kv_cache.shape[0]),
             kv_indices=kv_indices_ptr,
             kv_indices_dtype=_INDEX_CODES[kv_indices.dtype],
             kv_indptr=kv_indptr.data_ptr(),
             k_new=k_new.data_ptr(),
-            k_new_stride_t=_stride(k_new, 0, HEAD_DIM_QK),
+            k_new_stride_t=k_new_st,
             qo_indptr=qo_indptr.data_ptr(),
             qo_indptr_dtype=_INDEX_CODES[qo_indptr.dtype],
             tree_mask=0 if tree_mask is None else tree_mask.data_ptr(),
             tree_mask_words=words,
             out=out.data_ptr(),
-            out_stride_t=_stride(out, 0, H * HEAD_DIM_V),
-            out_stride_h=_stride(out, 1, HEAD_DIM_V),
+            out_stride_t=out_st,
+            out_stride_h=out_sh,
             batch_size=B,
             num_tokens=T,
             num_heads=H,
