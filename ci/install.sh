@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything a fresh CPU machine needs to build kdtree and run its tests, into the active Python
+# environment (use a virtual environment). Needs nvcc (CUDA 12.8+ for sm_120) on PATH or in
+# /usr/local/cuda; no GPU. Order matters: torch first, so nothing below can pull a CUDA torch.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+pip_install() { python -m pip install --disable-pip-version-check "$@"; }
+step() { echo "== ci/install.sh: $* (${SECONDS}s)"; }
+
+step "torch 2.13.0 (CPU)"
+pip_install torch==2.13.0
+
+step "SGLang CPU test set (--no-deps, pinned: requirements/sglang-cpu.txt)"
+pip_install --no-deps -r requirements/sglang-cpu.txt
+
+step "test tools (requirements/test.txt)"
+pip_install -r requirements/test.txt
+
+step "kdtree: pip install . (CMake + nvcc build of the CUDA library and the Cython module)"
+build_start=$SECONDS
+pip_install ".[test]"
+echo "== ci/install.sh: kdtree built and installed in $((SECONDS - build_start))s"
+
+python -c "import kdtree._verify as v; print('kdtree._verify', v.__file__, 'archs', v.compiled_archs())"
+step "done"
