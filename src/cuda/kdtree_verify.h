@@ -56,6 +56,7 @@ extern "C" {
 #define KDTREE_ERR_NO_DEVICE (-12)     /* no CUDA device usable by this build */
 #define KDTREE_ERR_ARCH (-13)          /* the current device has no kernel image in this build */
 #define KDTREE_ERR_NUM_SLOTS (-14)     /* num_slots < 1 */
+#define KDTREE_ERR_RESOURCES (-15)     /* the split kernel cannot fit one block on an SM of this GPU */
 
 typedef struct kdtree_verify_params {
   /* ---- queries, T = num_tokens verify tokens of all requests, H = num_heads ---- */

@@ -7,8 +7,8 @@
 //   indices, then its N draft rows from k_new) are cut into splits of `chunk` keys; the plan kernel
 //   picks nsplit/chunk from the request's own length and row-tile count only (batch-invariant).
 // - One CTA = 11 warps, warp-specialised:
-//     3 "score" warps: each owns 16 query rows; q_nope lives in registers as mma A fragments
-//       (32 k-steps x 4 regs), q_pe in shared memory; they compute S = Q K^T for a 16-key tile,
+//     3 "score" warps: each owns 16 query rows; query columns [0, 448) live in registers as mma A
+//       fragments (28 k-steps x 4 regs), [448, 576) in shared memory; they compute S = Q K^T for a 16-key tile,
 //       run the online softmax, and hand P (bf16) and the per-row rescale factor to shared memory.
 //     8 "value" warps: each owns 64 of the 512 value columns for all 48 rows (96 fp32 accumulators)
 //       and computes O = alpha * O + P V for the previous tile.
@@ -39,7 +39,14 @@ constexpr int kValueCols = kDimNope / kValueWarps;  // 64 value columns per valu
 constexpr int kWarps = kScoreWarps + kValueWarps;   // 11
 constexpr int kThreads = kWarps * 32;               // 352
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
-constexpr int kQpePitch = kDimPe + 8;    // bf16 per smem q_pe row
+// Registers: 11 warps put 3 warps on three of the four SM sub-partitions, whose register files hold
+// 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 448) live
+// in registers (28 k-steps x 4 = 112), columns [448, 576) (the last 64 nope + the 64 rope values) in
+// shared memory.
+constexpr int kQRegSteps = 28;
+constexpr int kQRegDims = kQRegSteps * 16;                 // 448
+constexpr int kQSmemDims = kDimQK - kQRegDims;             // 128
+constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (272 B: odd multiple of 16 B)
 constexpr int kPPitch = kTileN + 8;      // bf16 per smem P row (48 B: 8 rows hit 8 distinct 16 B bank groups)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
 constexpr int kChunksPerRow = kDimQK * 2 / 16;  // 72 16-byte chunks per key row
@@ -51,6 +58,7 @@ static_assert(kStages == 4, "the ring schedule below (issue tile i+2 into the sl
 static_assert((kKvPitch * 2) % 16 == 0 && ((kKvPitch * 2) / 16) % 2 == 1,
               "key rows must stay 16 B aligned and an odd number of 16 B units apart (conflict-free ldmatrix)");
 static_assert(kMinChunk % kTileN == 0, "splits are whole tiles");
+static_assert(kQRegDims <= kDimNope && kQSmemDims % 16 == 0, "the register part of q is nope columns only");
 
 // Per-request plan, written by the plan kernel, read by the split and combine kernels.
 struct ReqPlan {
@@ -67,7 +75,7 @@ struct ReqPlan {
 
 struct SharedStorage {
   __nv_bfloat16 kv[kStages][kTileN][kKvPitch];      // 74,752 B
-  __nv_bfloat16 q_pe[kBlockM][kQpePitch];           //  6,912 B
+  __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 13,056 B: query columns [448, 576)
   __nv_bfloat16 p[2][kBlockM][kPPitch];             //  4,608 B
   float alpha[2][kBlockM];                          //    384 B
   float row_m[kBlockM];
@@ -268,7 +276,7 @@ __device__ __forceinline__ void issue_tile(SharedStorage& sm, int stage, int tid
   }
 }
 
-__global__ void __maxnreg__(184) kdtree_verify_split_kernel(Params prm) {
+__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params prm) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x;
@@ -306,21 +314,23 @@ __global__ void __maxnreg__(184) kdtree_verify_split_kernel(Params prm) {
     }
     const int H = prm.heads;
 
-    // ---- gather addresses of tiles 0..2, q_pe tile into shared memory ----
+    // ---- gather addresses of tiles 0..2, query columns [448, 576) into shared memory ----
     if (tid < 3 * kTileN) {
       const int t = tid / kTileN, k = tid % kTileN;
       sm.src[t][k] = t < cx.ntiles ? key_row(prm, cx, cx.k0 + t * kTileN + k) : nullptr;
     }
-    for (int i = tid; i < kBlockM * (kDimPe / 8); i += kThreads) {
-      const int r = i / (kDimPe / 8), ch = i % (kDimPe / 8);
+    for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
+      const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
+      const int d = kQRegDims + ch * 8;   // query column
       uint4 v = make_uint4(0, 0, 0, 0);
       if (r < cx.rows) {
         const int rr = cx.row0 + r;
-        const int n = rr / H, h = rr - n * H;
-        v = *reinterpret_cast<const uint4*>(prm.q_pe + (long long)(cx.rp.qo_begin + n) * prm.q_pe_st +
-                                            (long long)h * prm.q_pe_sh + ch * 8);
+        const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
+        const __nv_bfloat16* src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                                                : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
+        v = *reinterpret_cast<const uint4*>(src);
       }
-      *reinterpret_cast<uint4*>(&sm.q_pe[r][ch * 8]) = v;
+      *reinterpret_cast<uint4*>(&sm.q_tail[r][ch * 8]) = v;
     }
     __syncthreads();
     issue_tile(sm, 0, tid);
@@ -332,8 +342,8 @@ __global__ void __maxnreg__(184) kdtree_verify_split_kernel(Params prm) {
       // =========================== score warps ===========================
       const int wrow = warp * 16;                     // first tile row of this warp
       const bool active = wrow < cx.rows;
-      // q_nope as A fragments: qa[ks] covers columns [16 ks, 16 ks + 16)
-      uint32_t qa[kDimNope / 16][4];
+      // q_nope columns [0, 448) as A fragments: qa[ks] covers columns [16 ks, 16 ks + 16)
+      uint32_t qa[kQRegSteps][4];
       int my_n[2];                                    // verify token of rows g and g+8 (-1 = padding)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -352,7 +362,7 @@ __global__ void __maxnreg__(184) kdtree_verify_split_kernel(Params prm) {
                                    : nullptr;
         }
 #pragma unroll
-        for (int ks = 0; ks < kDimNope / 16; ++ks) {
+        for (int ks = 0; ks < kQRegSteps; ++ks) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int half = j & 1, col = ks * 16 + (j >> 1) * 8 + 2 * c;
@@ -375,18 +385,18 @@ __global__ void __maxnreg__(184) kdtree_verify_split_kernel(Params prm) {
         // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
         const __nv_bfloat16* kbase = &sm.kv[stage][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
-        for (int ks = 0; ks < kDimNope / 16; ++ks) {
+        for (int ks = 0; ks < kQRegSteps; ++ks) {
           uint32_t b[4];
           ldmatrix_x4(b, kbase + ks * 16);
           mma_bf16(acc[0], qa[ks], b[0], b[1]);
           mma_bf16(acc[1], qa[ks], b[2], b[3]);
         }
-        const __nv_bfloat16* qpbase = &sm.q_pe[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
+        const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
 #pragma unroll
-        for (int ks = 0; ks < kDimPe / 16; ++ks) {
+        for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
           uint32_t a[4], b[4];
-          ldmatrix_x4(a, qpbase + ks * 16);
-          ldmatrix_x4(b, kbase + kDimNope + ks * 16);
+          ldmatrix_x4(a, qtbase + ks * 16);
+          ldmatrix_x4(b, kbase + kQRegDims + ks * 16);
           mma_bf16(acc[0], a, b[0], b[1]);
           mma_bf16(acc[1], a, b[2], b[3]);
         }

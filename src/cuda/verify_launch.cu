@@ -58,6 +58,13 @@ int device_sms(int dev, int* status) {
       return 0;
     }
     if (e != cudaSuccess) { *status = (int)e; return 0; }
+    // registers and shared memory must admit one 352-thread block per SM (a build with a different
+    // register cap would otherwise fail at every launch with a bare "too many resources")
+    int blocks = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kdtree::kdtree_verify_split_kernel, kdtree::kThreads,
+                                                      sizeof(kdtree::SharedStorage));
+    if (e != cudaSuccess) { *status = (int)e; return 0; }
+    if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return 0; }
     sms[dev] = n;
     configured[dev] = true;
   }
@@ -219,6 +226,7 @@ const char* kdtree_status_string(int status) {
     case KDTREE_ERR_NO_DEVICE: return "no usable CUDA device";
     case KDTREE_ERR_ARCH: return "this build has no kernel image for the current GPU (rebuild with its architecture)";
     case KDTREE_ERR_NUM_SLOTS: return "num_slots must be >= 1";
+    case KDTREE_ERR_RESOURCES: return "the split kernel does not fit one block per SM on this GPU (registers/shared memory)";
     default: break;
   }
   if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));
