@@ -41,9 +41,9 @@ constexpr int kThreads = kWarps * 32;               // 352
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
 // Registers: 11 warps put 3 warps on three of the four SM sub-partitions, whose register files hold
 // 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 448) live
-// in registers (28 k-steps x 4 = 112), columns [448, 576) (the last 64 nope + the 64 rope values) in
-// shared memory.
-constexpr int kQRegSteps = 28;
+// in registers (26 k-steps x 4 = 104), columns [416, 576) (the last 96 nope + the 64 rope values) in
+// shared memory; the 8 registers this frees buy a second pair of accumulators (4 independent mma chains).
+constexpr int kQRegSteps = 26;
 constexpr int kQRegDims = kQRegSteps * 16;                 // 448
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 128
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (272 B: odd multiple of 16 B)
@@ -75,7 +75,7 @@ struct ReqPlan {
 
 struct SharedStorage {
   __nv_bfloat16 kv[kStages][kTileN][kKvPitch];      // 74,752 B
-  __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 13,056 B: query columns [448, 576)
+  __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 16,128 B: query columns [416, 576)
   __nv_bfloat16 p[2][kBlockM][kPPitch];             //  4,608 B
   float alpha[2][kBlockM];                          //    384 B
   float row_m[kBlockM];
@@ -255,12 +255,14 @@ struct ItemCtx {
   int ntiles;
 };
 
-__device__ __forceinline__ const __nv_bfloat16* key_row(const Params& prm, const ItemCtx& c, int key) {
+// Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued an
+// iteration before its pointer is needed so its latency never stalls the pipeline.
+__device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& c, int key) {
+  return key < c.k1 && key < c.rp.p ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key) : -1;
+}
+__device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
   if (key >= c.k1) return nullptr;
-  if (key < c.rp.p) {
-    const long long slot = load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key);
-    return prm.kv + slot * prm.kv_ss;
-  }
+  if (key < c.rp.p) return prm.kv + slot * prm.kv_ss;
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
@@ -317,7 +319,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     // ---- gather addresses of tiles 0..2, query columns [448, 576) into shared memory ----
     if (tid < 3 * kTileN) {
       const int t = tid / kTileN, k = tid % kTileN;
-      sm.src[t][k] = t < cx.ntiles ? key_row(prm, cx, cx.k0 + t * kTileN + k) : nullptr;
+      const int key = cx.k0 + t * kTileN + k;
+      sm.src[t][k] = t < cx.ntiles ? key_ptr(prm, cx, key, key_slot(prm, cx, key)) : nullptr;
     }
     for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
       const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
@@ -381,15 +384,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         if (it == cx.ntiles || !active) continue;
 
         const int stage = it % kStages;
-        float acc[2][4] = {};
+        float acc[2][2][4] = {};   // [k-step parity][n8 tile]: 4 independent accumulation chains
         // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
         const __nv_bfloat16* kbase = &sm.kv[stage][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
         for (int ks = 0; ks < kQRegSteps; ++ks) {
           uint32_t b[4];
           ldmatrix_x4(b, kbase + ks * 16);
-          mma_bf16(acc[0], qa[ks], b[0], b[1]);
-          mma_bf16(acc[1], qa[ks], b[2], b[3]);
+          mma_bf16(acc[ks & 1][0], qa[ks], b[0], b[1]);
+          mma_bf16(acc[ks & 1][1], qa[ks], b[2], b[3]);
         }
         const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
 #pragma unroll
@@ -397,9 +400,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           uint32_t a[4], b[4];
           ldmatrix_x4(a, qtbase + ks * 16);
           ldmatrix_x4(b, kbase + kQRegDims + ks * 16);
-          mma_bf16(acc[0], a, b[0], b[1]);
-          mma_bf16(acc[1], a, b[2], b[3]);
+          mma_bf16(acc[ks & 1][0], a, b[0], b[1]);
+          mma_bf16(acc[ks & 1][1], a, b[2], b[3]);
         }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[1][nt][e];
 
         // ---- scale, mask, online softmax ----
         const int key0 = cx.k0 + it * kTileN;
@@ -410,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int half = e >> 1;
-            float s = acc[nt][e] * prm.scale_log2;
+            float s = acc[0][nt][e] * prm.scale_log2;
             if (!plain) {
               const int key = key0 + nt * 8 + 2 * c + (e & 1);
               bool vis = key < cx.k1;
@@ -428,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
               }
               if (!vis) s = -INFINITY;
             }
-            acc[nt][e] = s;
+            acc[0][nt][e] = s;
             tmax[half] = fmaxf(tmax[half], s);
           }
         }
@@ -451,8 +458,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const float p0 = exp2f(acc[nt][2 * half] - m_use[half]);
-            const float p1 = exp2f(acc[nt][2 * half + 1] - m_use[half]);
+            const float p0 = exp2f(acc[0][nt][2 * half] - m_use[half]);
+            const float p1 = exp2f(acc[0][nt][2 * half + 1] - m_use[half]);
             psum[half] += p0 + p1;
             *reinterpret_cast<uint32_t*>(&sm.p[pb][wrow + g + half * 8][nt * 8 + 2 * c]) = pack_bf16(p0, p1);
           }
@@ -496,16 +503,24 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       const int col0 = vw * kValueCols;
       const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
       float o[kScoreWarps][kValueCols / 8][4] = {};
+      long long pending_slot = vw == 0 && lane < kTileN && 3 < cx.ntiles
+                                   ? key_slot(prm, cx, cx.k0 + 3 * kTileN + lane) : -1;
 
       for (int it = 0; it <= cx.ntiles; ++it) {
         cp_async_wait<1>();
         block_barrier();
         if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid);
         cp_async_commit();
-        // gather addresses one tile ahead of their issue, so the slot-id load latency is hidden
-        // (a value warp does it: the score warps have no registers to spare)
-        if (vw == 0 && lane < kTileN && it + 3 < cx.ntiles)
-          sm.src[(it + 3) % kStages][lane] = key_row(prm, cx, cx.k0 + (it + 3) * kTileN + lane);
+        // Gather addresses: tile it+3's pointers from the slot ids loaded an iteration ago, then the
+        // slot ids of tile it+4 (consumed next iteration: the load never stalls this warp). A value
+        // warp does it: the score warps have no registers to spare.
+        if (vw == 0 && lane < kTileN) {
+          if (it + 3 < cx.ntiles) {
+            const int key = cx.k0 + (it + 3) * kTileN + lane;
+            sm.src[(it + 3) % kStages][lane] = key_ptr(prm, cx, key, pending_slot);
+          }
+          if (it + 4 < cx.ntiles) pending_slot = key_slot(prm, cx, cx.k0 + (it + 4) * kTileN + lane);
+        }
         if (it == 0) continue;
         const int j = it - 1;
         const int stage = j % kStages;
