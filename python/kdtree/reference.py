@@ -140,10 +140,11 @@ def verify_attention_reference(
 
         scores = scores.masked_fill(~visible, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        # -inf only for a row that sees no key; NaN (from a NaN key that IS read) must propagate
+        row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         p = torch.exp(scores - row_max)  # exactly 0 for the invisible keys (exp(-inf))
         denom = p.sum(dim=-1, keepdim=True)
         acc = torch.einsum("nhk,kd->nhd", p, keys[:, :HEAD_DIM_V])
-        out[t0:t1] = torch.where(denom > 0, acc / torch.where(denom > 0, denom, torch.ones_like(denom)),
-                                 torch.zeros_like(acc))
+        # a row with no visible key has denom == 0 and gets zeros, never 0/0
+        out[t0:t1] = torch.where(denom == 0, torch.zeros_like(acc), acc / torch.where(denom == 0, 1.0, denom))
     return out
