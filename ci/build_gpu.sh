@@ -20,6 +20,12 @@ if [ -z "${KDTREE_CUDA_ARCHS:-}" ]; then
 fi
 echo "== ci/build_gpu.sh: KDTREE_CUDA_ARCHS=$KDTREE_CUDA_ARCHS, $($python --version), nvcc: $(nvcc --version | tail -1)"
 
+# A build tree configured from another checkout path makes CMake refuse to run: start it afresh.
+cache=build/gpu/CMakeCache.txt
+if [ -f "$cache" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$PWD" "$cache"; then
+  rm -rf build/gpu
+fi
+
 start=$SECONDS
 "$python" -m pip install --no-build-isolation --no-deps --no-index -v . \
   -C build-dir=build/gpu \

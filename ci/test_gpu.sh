@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tests (pytest -m gpu) on a machine where ci/build_gpu.sh ran. Extra arguments go to pytest.
 # With $OUT set, the log, a JUnit XML file and nvidia-smi's view of the device are written there.
-# If the SGLang device bundle was carried along (.carry/sglang), it is activated first.
+# If the SGLang device bundle was carried along (.carry/sglang), it is activated first; if pytest is
+# missing (the GPU machine has no network), it is installed from carried wheels in .whl/ (pytest,
+# pluggy, iniconfig: `pip download --only-binary=:all: --python-version 3.12 -d .whl pytest`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
@@ -9,6 +11,16 @@ python=${PYTHON:-python3}
 if [ -f .carry/sglang/activate ]; then
   # shellcheck disable=SC1091
   source .carry/sglang/activate
+fi
+
+if ! "$python" -c "import pytest" 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/kdtree-pytest .whl/*.whl
+    export PYTHONPATH="/tmp/kdtree-pytest${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "ci/test_gpu.sh: pytest is not installed and no wheels were carried in .whl/" >&2
+    exit 1
+  fi
 fi
 
 args=(-m gpu tests -ra "$@")
