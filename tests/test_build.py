@@ -55,6 +55,16 @@ def test_extension_is_inside_the_package():
     assert issubclass(_verify.KdtreeError, RuntimeError)
 
 
+def test_autopatch_pth_lands_at_site_packages_root():
+    # .pth files only run from a site directory's root, never from inside a package.
+    source = HEADER.parents[2] / "python" / "kdtree-autopatch.pth"
+    if not source.exists():
+        pytest.skip("python/kdtree-autopatch.pth is not in this checkout")
+    installed = Path(_verify.__file__).parents[1] / source.name
+    assert installed.is_file(), f"{installed} missing: the wheel must install {source.name} at the site-packages root"
+    assert installed.read_text() == source.read_text()
+
+
 def test_constants_match_header():
     text = HEADER.read_text()
     for py_name, c_name in [("HEAD_DIM_QK", "KDTREE_HEAD_DIM_QK"), ("HEAD_DIM_V", "KDTREE_HEAD_DIM_V"),
