@@ -21,10 +21,7 @@ if _here not in sys.path:
 
 import pytest  # noqa: E402
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped when torch.cuda is unavailable)")
-    config.addinivalue_line("markers", "slow: larger grids; run with KDTREE_TEST_LARGE=1")
+# the markers (gpu, slow) are registered in pyproject.toml [tool.pytest.ini_options]
 
 
 def pytest_collection_modifyitems(config, items):
