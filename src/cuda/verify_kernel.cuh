@@ -239,6 +239,13 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // branches meet here (a plain __syncthreads in divergent code is legal on sm_70+ but reads as a bug).
 __device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory"); }
 
+// 2^x on the SFU (ex2.approx: ~2 ulp, flushes denormals; -inf -> +0), as flash kernels use for softmax.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -266,10 +273,12 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
-__device__ __forceinline__ void issue_tile(SharedStorage& sm, int stage, int tid) {
-  // 16 keys x 72 chunks of 16 B, spread over all 352 threads.
+// 16 keys x 72 chunks of 16 B, issued by the 256 value-warp threads only: the score warps are the
+// critical path of every tile and must go straight from the barrier to their mma chain.
+constexpr int kIssueThreads = kValueWarps * 32;
+__device__ __forceinline__ void issue_tile(SharedStorage& sm, int stage, int vtid) {
 #pragma unroll
-  for (int i = tid; i < kTileN * kChunksPerRow; i += kThreads) {
+  for (int i = vtid; i < kTileN * kChunksPerRow; i += kIssueThreads) {
     const int k = i / kChunksPerRow;
     const int ch = i - k * kChunksPerRow;
     const __nv_bfloat16* src = sm.src[stage][k];
@@ -336,10 +345,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       *reinterpret_cast<uint4*>(&sm.q_tail[r][ch * 8]) = v;
     }
     __syncthreads();
-    issue_tile(sm, 0, tid);
-    cp_async_commit();
-    issue_tile(sm, 1, tid);
-    cp_async_commit();
+    if (warp >= kScoreWarps) {
+      issue_tile(sm, 0, tid - kScoreWarps * 32);
+      cp_async_commit();
+      issue_tile(sm, 1, tid - kScoreWarps * 32);
+      cp_async_commit();
+    }
 
     if (warp < kScoreWarps) {
       // =========================== score warps ===========================
@@ -377,10 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       float l_run[2] = {0.f, 0.f};
 
       for (int it = 0; it <= cx.ntiles; ++it) {
-        cp_async_wait<1>();
-        block_barrier();
-        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid);
-        cp_async_commit();
+        block_barrier();   // the value warps waited for tile `it` before arriving
         if (it == cx.ntiles || !active) continue;
 
         const int stage = it % kStages;
@@ -449,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         for (int half = 0; half < 2; ++half) {
           const float m_new = fmaxf(m_run[half], tmax[half]);
           m_use[half] = m_new == -INFINITY ? 0.f : m_new;   // a row with nothing visible yet stays at 0
-          alpha[half] = exp2f(m_run[half] - m_use[half]);
+          alpha[half] = fast_exp2(m_run[half] - m_use[half]);
           m_run[half] = m_new;
         }
         float psum[2] = {0.f, 0.f};
@@ -458,8 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const float p0 = exp2f(acc[0][nt][2 * half] - m_use[half]);
-            const float p1 = exp2f(acc[0][nt][2 * half + 1] - m_use[half]);
+            const float p0 = fast_exp2(acc[0][nt][2 * half] - m_use[half]);
+            const float p1 = fast_exp2(acc[0][nt][2 * half + 1] - m_use[half]);
             psum[half] += p0 + p1;
             *reinterpret_cast<uint32_t*>(&sm.p[pb][wrow + g + half * 8][nt * 8 + 2 * c]) = pack_bf16(p0, p1);
           }
@@ -509,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       for (int it = 0; it <= cx.ntiles; ++it) {
         cp_async_wait<1>();
         block_barrier();
-        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid);
+        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid - kScoreWarps * 32);
         cp_async_commit();
         // Gather addresses: tile it+3's pointers from the slot ids loaded an iteration ago, then the
         // slot ids of tile it+4 (consumed next iteration: the load never stalls this warp). A value
@@ -527,9 +535,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         const int pb = j & 1;
 #pragma unroll
         for (int rb = 0; rb < kScoreWarps; ++rb) {
-          if (rb < rblocks) {
-            const float a0 = sm.alpha[pb][rb * 16 + g];
-            const float a1 = sm.alpha[pb][rb * 16 + g + 8];
+          const float a0 = sm.alpha[pb][rb * 16 + g];
+          const float a1 = sm.alpha[pb][rb * 16 + g + 8];
+          // once the running maxima settle, alpha is exactly 1 for whole row blocks: skip 32 FMULs
+          if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
 #pragma unroll
             for (int nt = 0; nt < kValueCols / 8; ++nt) {
               o[rb][nt][0] *= a0;
