@@ -206,9 +206,12 @@ def stats() -> Dict[str, Any]:
 
 
 def reset_stats() -> None:
-    """Zero the counters (the once-per-reason fallback logs stay logged)."""
+    """Zero the counters; fallback reasons and mismatches are logged afresh afterwards."""
     with _state.lock:
         _state.counters = _Counters()
+        _state.logged_reasons.clear()
+        _state.last_mismatch_log = -math.inf
+        _state.mismatch_logs_suppressed = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -599,7 +602,10 @@ def _validate(original, backend, q, k, v, layer, fb, args, kwargs):
         _kernel(backend, q, k, layer, mine, False)
     except Exception:
         _state.counters.kernel_errors += 1
-        if _state.counters.kernel_errors == 1 or _should_log_mismatch():
+        first = _state.counters.kernel_errors == 1
+        if first:
+            _state.last_mismatch_log = time.monotonic()
+        if first or _should_log_mismatch():
             logger.exception("kdtree validate: the kernel raised on layer %s (T=%d, H=%d); returning SGLang's "
                              "output", layer.layer_id, T, H)
         return out
@@ -653,6 +659,8 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, layer) -> None:
             "kernel": got_w, "original": exp_w,
         }
         first = c.mismatched == 1
+    if first:
+        _state.last_mismatch_log = time.monotonic()
     if first or _should_log_mismatch():
         suppressed, _state.mismatch_logs_suppressed = _state.mismatch_logs_suppressed, 0
         logger.warning(
