@@ -15,7 +15,8 @@ from kdtree.__main__ import main as cli_main
 from kdtree.__main__ import make_verify_batch
 
 SM_SCALE = 0.1147
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+# subprocesses import kdtree from where this process found it (the source tree or site-packages)
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kdtree.__file__)))
 
 
 def batch_args(prefixes=(40, 0, 7), n=9, heads=3, seed=0):

@@ -300,6 +300,7 @@ def verify_attention(
 
     if device.type != "cuda":
         if workspace is not None:
+            _tensor(workspace, "workspace")
             raise ValueError(f"workspace is only used for CUDA tensors; got one on {workspace.device} "
                              f"while the inputs are on {device}")
         result = verify_attention_reference(
