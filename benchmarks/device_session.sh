@@ -30,6 +30,11 @@ if has test; then
   log "gpu tests"
   python3 -m pytest -q -m gpu -p no:cacheprovider ${KDTREE_PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
+if has bench; then
+  log bench
+  extra=""; has quick && extra="--quick"; has sglang || extra="$extra --no-sglang"
+  python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
+fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     for c in small split; do
@@ -42,13 +47,9 @@ fi
 if has ncu; then
   log ncu
   ncu --clock-control none --kernel-name regex:kdtree_verify_split --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
-      --section WarpStateStats python3 benchmarks/bench.py --no-sglang --quick --only P131072 --out /tmp/ncu_bench.json \
-      > "$OUT/ncu.txt" 2>&1; grep -E "Duration|Throughput|Pipe|Issue|Stall|Achieved|Registers|L2 Hit|Mem Busy" "$OUT/ncu.txt" | head -40
-fi
-if has bench; then
-  log bench
-  extra=""; has quick && extra="--quick"; has sglang || extra="$extra --no-sglang"
-  python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__cycles_elapsed.avg \
+      python3 benchmarks/bench.py --no-sglang --quick --only P131072 --out /tmp/ncu_bench.json > "$OUT/ncu.txt" 2>&1
+  grep -E "Duration|Issue Slots|stalled|inst_executed|hmma|wavefronts|cycles_elapsed" "$OUT/ncu.txt" | awk '$NF+0 > 0.05 || /Duration|inst|hmma|wave|cycles/' | head -40
 fi
 log done

@@ -7,8 +7,8 @@
 //   indices, then its N draft rows from k_new) are cut into splits of `chunk` keys; the plan kernel
 //   picks nsplit/chunk from the request's own length and row-tile count only (batch-invariant).
 // - One CTA = 11 warps, warp-specialised:
-//     3 "score" warps: each owns 16 query rows; query columns [0, 448) live in registers as mma A
-//       fragments (28 k-steps x 4 regs), [448, 576) in shared memory; they compute S = Q K^T for a 16-key tile,
+//     3 "score" warps: each owns 16 query rows; query columns [0, 384) live in registers as mma A
+//       fragments (24 k-steps x 4 regs), [384, 576) in shared memory; they compute S = Q K^T for a 16-key tile,
 //       run the online softmax, and hand P (bf16) and the per-row rescale factor to shared memory.
 //     8 "value" warps: each owns 64 of the 512 value columns for all 48 rows (96 fp32 accumulators)
 //       and computes O = alpha * O + P V for the previous tile.
@@ -40,13 +40,13 @@ constexpr int kWarps = kScoreWarps + kValueWarps;   // 11
 constexpr int kThreads = kWarps * 32;               // 352
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
 // Registers: 11 warps put 3 warps on three of the four SM sub-partitions, whose register files hold
-// 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 448) live
-// in registers (26 k-steps x 4 = 104), columns [416, 576) (the last 96 nope + the 64 rope values) in
-// shared memory; the 8 registers this frees buy a second pair of accumulators (4 independent mma chains).
-constexpr int kQRegSteps = 26;
-constexpr int kQRegDims = kQRegSteps * 16;                 // 448
-constexpr int kQSmemDims = kDimQK - kQRegDims;             // 128
-constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (272 B: odd multiple of 16 B)
+// 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 384) live
+// in registers (24 k-steps x 4 = 96), columns [384, 576) (the last 128 nope + the 64 rope values) in
+// shared memory; the registers this frees buy a second pair of accumulators.
+constexpr int kQRegSteps = 24;
+constexpr int kQRegDims = kQRegSteps * 16;                 // 384
+constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
+constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 constexpr int kPPitch = kTileN + 8;      // bf16 per smem P row (48 B: 8 rows hit 8 distinct 16 B bank groups)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
 constexpr int kChunksPerRow = kDimQK * 2 / 16;  // 72 16-byte chunks per key row
@@ -75,7 +75,7 @@ struct ReqPlan {
 
 struct SharedStorage {
   __nv_bfloat16 kv[kStages][kTileN][kKvPitch];      // 74,752 B
-  __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 16,128 B: query columns [416, 576)
+  __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 19,200 B: query columns [384, 576)
   __nv_bfloat16 p[2][kBlockM][kPPitch];             //  4,608 B
   float alpha[2][kBlockM];                          //    384 B
   float row_m[kBlockM];
@@ -274,16 +274,19 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
 }
 
 // 16 keys x 72 chunks of 16 B, issued by the 256 value-warp threads only: the score warps are the
-// critical path of every tile and must go straight from the barrier to their mma chain.
+// critical path of every tile and must go straight from the barrier to their mma chain. The loop is
+// fully unrolled over a thread's fixed copy slots, so the (key, chunk) decode is a few integer ops.
 constexpr int kIssueThreads = kValueWarps * 32;
+constexpr int kCopies = (kTileN * kChunksPerRow + kIssueThreads - 1) / kIssueThreads;  // 5 (the last partial)
+
 __device__ __forceinline__ void issue_tile(SharedStorage& sm, int stage, int vtid) {
 #pragma unroll
-  for (int i = vtid; i < kTileN * kChunksPerRow; i += kIssueThreads) {
-    const int k = i / kChunksPerRow;
-    const int ch = i - k * kChunksPerRow;
+  for (int j = 0; j < kCopies; ++j) {
+    const int i = vtid + j * kIssueThreads;
+    if ((j + 1) * kIssueThreads > kTileN * kChunksPerRow && i >= kTileN * kChunksPerRow) continue;
+    const int k = i / kChunksPerRow, e = (i - k * kChunksPerRow) * 8;
     const __nv_bfloat16* src = sm.src[stage][k];
-    cp_async_16(&sm.kv[stage][k][ch * 8], src ? src + ch * 8 : reinterpret_cast<const __nv_bfloat16*>(&sm),
-                src != nullptr);
+    cp_async_16(&sm.kv[stage][k][e], src ? src + e : reinterpret_cast<const __nv_bfloat16*>(&sm), src != nullptr);
   }
 }
 
@@ -296,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   const int g = lane >> 2;  // mma group: row within an 8-row half
   const int c = lane & 3;   // thread in group: column pair
   const int total = prm.counter[1];
+  const int vtid = tid - kScoreWarps * 32;   // copy slot of a value-warp thread
 
   for (;;) {
     if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
@@ -325,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     }
     const int H = prm.heads;
 
-    // ---- gather addresses of tiles 0..2, query columns [448, 576) into shared memory ----
+    // ---- gather addresses of tiles 0..2, query columns [384, 576) into shared memory ----
     if (tid < 3 * kTileN) {
       const int t = tid / kTileN, k = tid % kTileN;
       const int key = cx.k0 + t * kTileN + k;
@@ -346,9 +350,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     }
     __syncthreads();
     if (warp >= kScoreWarps) {
-      issue_tile(sm, 0, tid - kScoreWarps * 32);
+      issue_tile(sm, 0, vtid);
       cp_async_commit();
-      issue_tile(sm, 1, tid - kScoreWarps * 32);
+      issue_tile(sm, 1, vtid);
       cp_async_commit();
     }
 
@@ -356,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       // =========================== score warps ===========================
       const int wrow = warp * 16;                     // first tile row of this warp
       const bool active = wrow < cx.rows;
-      // q_nope columns [0, 448) as A fragments: qa[ks] covers columns [16 ks, 16 ks + 16)
+      // q_nope columns [0, 384) as A fragments: qa[ks] covers columns [16 ks, 16 ks + 16)
       uint32_t qa[kQRegSteps][4];
       int my_n[2];                                    // verify token of rows g and g+8 (-1 = padding)
 #pragma unroll
@@ -517,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       for (int it = 0; it <= cx.ntiles; ++it) {
         cp_async_wait<1>();
         block_barrier();
-        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, tid - kScoreWarps * 32);
+        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, vtid);
         cp_async_commit();
         // Gather addresses: tile it+3's pointers from the slot ids loaded an iteration ago, then the
         // slot ids of tile it+4 (consumed next iteration: the load never stalls this warp). A value
