@@ -194,6 +194,7 @@ def build_case(
     use_mla: bool = True,
     scaling: float = DEFAULT_SCALING,
     attn_output: bool = False,
+    graph_layout: bool = False,
     spare_slots: int = 7,
 ) -> VerifyCase:
     """A TARGET_VERIFY call of ``batch`` requests with ``n`` verify tokens each.
@@ -202,6 +203,10 @@ def build_case(
     DFlash's causal chain), "uint8" (the tree mask as uint8, as the CUDA-graph buffer holds it).
     ``pad``: trailing all-False rows per request (DDTree padding; needs ``mask != "none"``).
     ``attn_output``: pass a preallocated output as ``forward_batch._attn_output``.
+    ``graph_layout``: the metadata as CUDA-graph replay holds it (SGLANG.md): qo_indptr int64, the
+    mask a uint8 buffer much longer than ``mask_indptr[B]`` (tail all ones), ``kv_indices`` a
+    buffer longer than ``kv_indptr[B]`` whose tail names NaN slots. Only what the indptrs delimit
+    may be read.
     """
     sg = import_sglang()
     g = torch.Generator().manual_seed(seed)
@@ -210,6 +215,9 @@ def build_case(
     prefix_lens = [int(p) for p in prefix_lens]
     assert len(prefix_lens) == batch
     assert mask in ("tree", "none", "uint8")
+    if graph_layout:
+        qo_indptr_dtype = torch.int64
+        mask = "uint8" if mask == "tree" else mask
     assert pad == 0 or mask != "none"
     T = batch * n
     live_slots = sum(prefix_lens) + T
@@ -247,7 +255,11 @@ def build_case(
     v = k[..., :KV_LORA_RANK].clone()
 
     kv_indptr = torch.tensor([0] + list(_cumsum(prefix_lens)), dtype=torch.int32, device=device)
-    kv_indices = torch.tensor([s for slots in prefix_slots for s in slots], dtype=torch.int64, device=device)
+    flat_slots = [s for slots in prefix_slots for s in slots]
+    if graph_layout:
+        nan_slots = perm[pos + T:] or [0]
+        flat_slots += [nan_slots[i % len(nan_slots)] for i in range(3 * len(flat_slots) + 64)]
+    kv_indices = torch.tensor(flat_slots, dtype=torch.int64, device=device)
     qo_indptr = torch.arange(0, (batch + 1) * n, n, dtype=qo_indptr_dtype, device=device)
 
     tree = None
@@ -265,6 +277,8 @@ def build_case(
             tree.append(vis)
             blocks.append(block.reshape(-1))
         flat = torch.cat(blocks)
+        if graph_layout:
+            flat = torch.cat([flat, torch.ones(2 * flat.numel() + 64, dtype=torch.bool)])
         custom_mask = (flat.to(torch.uint8) if mask == "uint8" else flat).to(device)
         mask_indptr[1:] = torch.tensor(list(_cumsum([n * (p + n) for p in prefix_lens])), dtype=torch.int64)
 

@@ -65,8 +65,7 @@ SERVED_CASES = [
     ("tree_b1", dict(batch=1, heads=2, n=4, prefix_lens=[13])),
     ("tree_ragged_b3_pad", dict(batch=3, heads=3, n=5, pad=2, prefix_lens=[0, 1, 17])),
     ("chain_no_mask", dict(batch=2, heads=2, n=3, mask="none", prefix_lens=[9, 4])),
-    ("graph_layout", dict(batch=2, heads=2, n=4, mask="uint8", qo_indptr_dtype=torch.int64,
-                          attn_output=True, prefix_lens=[6, 11])),
+    ("graph_layout", dict(batch=2, heads=2, n=4, graph_layout=True, attn_output=True, prefix_lens=[6, 11])),
     ("n1", dict(batch=2, heads=1, n=1, prefix_lens=[5, 2])),
 ]
 
