@@ -21,6 +21,7 @@ from sglang_env import import_sglang
 pytestmark = pytest.mark.gpu
 
 RAGGED8 = [0, 1, 63, 64, 65, 511, 2049, 3001]
+RAGGED8_P1 = [1, 2, 63, 64, 65, 511, 2049, 3001]   # with padding rows: P >= 1, as in serving
 CASES = [
     ("b1_n1", dict(batch=1, n=1, heads=16, prefix_lens=[1000])),
     ("b8_n1", dict(batch=8, n=1, heads=16, prefix_lens=RAGGED8)),
@@ -29,7 +30,7 @@ CASES = [
     ("b1_n16_chain", dict(batch=1, n=16, heads=16, mask="none", prefix_lens=[3000])),
     ("b8_n16_chain", dict(batch=8, n=16, heads=16, mask="none", prefix_lens=RAGGED8)),
     ("b1_n33_ddtree_pad", dict(batch=1, n=33, pad=9, heads=16, prefix_lens=[2000])),
-    ("b8_n33_ddtree_pad", dict(batch=8, n=33, pad=6, heads=16, prefix_lens=RAGGED8)),
+    ("b8_n33_ddtree_pad", dict(batch=8, n=33, pad=6, heads=16, prefix_lens=RAGGED8_P1)),
     ("b8_n9_graph_layout_h128", dict(batch=8, n=9, heads=128, graph_layout=True, attn_output=True,
                                      prefix_lens=RAGGED8)),
     ("b2_n9_odd_heads", dict(batch=2, n=9, heads=7, prefix_lens=[100, 0])),

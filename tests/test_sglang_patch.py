@@ -63,8 +63,9 @@ def triton_must_not_run(case):
 # Cases: (name, build_case kwargs). Small shapes: the original runs in Triton's interpreter.
 SERVED_CASES = [
     ("tree_b1", dict(batch=1, heads=2, n=4, prefix_lens=[13])),
-    ("tree_ragged_b3_pad", dict(batch=3, heads=3, n=5, pad=2, prefix_lens=[0, 1, 17])),
-    ("chain_no_mask", dict(batch=2, heads=2, n=3, mask="none", prefix_lens=[9, 4])),
+    # DDTree padding rows see the prefix only (P >= 1 in serving; P = 0 has its own test below)
+    ("tree_ragged_b3_pad", dict(batch=3, heads=3, n=5, pad=2, prefix_lens=[1, 2, 17])),
+    ("chain_no_mask", dict(batch=2, heads=2, n=3, mask="none", prefix_lens=[0, 4])),
     ("graph_layout", dict(batch=2, heads=2, n=4, graph_layout=True, attn_output=True, prefix_lens=[6, 11])),
     ("n1", dict(batch=2, heads=1, n=1, prefix_lens=[5, 2])),
 ]
@@ -186,6 +187,18 @@ def test_on_matches_original_and_writes_same_kv(sg_patch, name, kwargs):
         assert out.data_ptr() == case.forward_batch._attn_output.data_ptr()
     s = sg_patch.stats()
     assert (s["calls"], s["served"], s["fallback"]) == (1, 1, 0)
+
+
+def test_on_rows_that_see_no_key_are_zero(sg_patch):
+    """P = 0 and all-False padding rows: such a row sees no key at all; kdtree writes 0 (SGLang
+    0.5.23 does too; 0.5.17's kernel divides 0 by 0 there), never NaN."""
+    sg_patch.install("on", propagate=False)
+    case = build_case(seed=13, batch=2, heads=2, n=4, pad=2, prefix_lens=[0, 3])
+    out = case.call()
+    assert_close_bf16(out, reference_output(case))
+    rows = out.view(case.num_tokens, case.num_heads, 512)
+    assert torch.equal(rows[2:4], torch.zeros_like(rows[2:4]))      # request 0, padding rows
+    assert rows[6:8].abs().sum() > 0                                # request 1's see its prefix
 
 
 def test_on_without_save_kv_cache_leaves_pool_untouched(sg_patch):
