@@ -1,20 +1,22 @@
 // verify_kernel.cuh: __global__ code of the kdtree tree-verify attention (plan, split pass, combine).
 //
-// Design (see docs/DESIGN.md for the numbers behind it):
+// Design (numbers and history in docs/PERF_LOG.md):
 // - All H x N query rows of a request are folded into the matrix M dimension, r = n * H + h, and cut
 //   into row tiles of kBlockM = 48 rows (3 mma row blocks; H=16, N=9 gives exactly 3 tiles).
 // - A work item is (request, split, row tile). The keys of a request (P prefix rows through the slot
 //   indices, then its N draft rows from k_new) are cut into splits of `chunk` keys; the plan kernel
 //   picks nsplit/chunk from the request's own length and row-tile count only (batch-invariant).
-// - One CTA = 11 warps, warp-specialised:
+//   A persistent grid (one CTA per SM) takes items from an atomic counter.
+// - One CTA = 11 warps, warp-specialised, one 2-stage software pipeline over 32-key tiles:
 //     3 "score" warps: each owns 16 query rows; query columns [0, 384) live in registers as mma A
-//       fragments (24 k-steps x 4 regs), [384, 576) in shared memory; they compute S = Q K^T for a 16-key tile,
-//       run the online softmax, and hand P (bf16) and the per-row rescale factor to shared memory.
+//       fragments, [384, 576) in shared memory. For tile i they wait for its keys (mbarrier),
+//       compute S = Q K^T (4 independent n8 accumulators), run the online softmax and publish P (bf16)
+//       and the per-row rescale factor (named barrier, arrive only: they run ahead to tile i+1).
 //     8 "value" warps: each owns 64 of the 512 value columns for all 48 rows (96 fp32 accumulators)
-//       and computes O = alpha * O + P V for the previous tile.
-//   The score warps work on tile i while the value warps work on tile i-1 (one barrier per tile).
-// - Keys stream through a 4-stage cp.async ring of 16 x 576 bf16 tiles (rows padded to 1168 B so
-//   ldmatrix is conflict-free); every 1152-byte row is gathered by slot id, two tiles in flight.
+//       and computes O = alpha * O + P V for tile i, then refills tile i's buffer with tile i+2.
+// - Keys arrive by cp.async.bulk: one 1152-byte bulk copy per key row (slot gathered, page size 1),
+//   32 per tile, completing on the buffer's mbarrier; rows are padded to 1168 B (conflict-free
+//   ldmatrix). Keys past the split end copy a zero row, so no smem row ever holds garbage.
 // - Split partials are stored normalised in bf16 with a float log2-sum-exp; a combine kernel merges
 //   them in a fixed order (deterministic). A request with one split writes the output directly.
 #pragma once
@@ -31,32 +33,37 @@ constexpr int kDimNope = KDTREE_HEAD_DIM_NOPE;   // 512
 constexpr int kDimPe = KDTREE_HEAD_DIM_PE;       // 64
 constexpr int kDimQK = KDTREE_HEAD_DIM_QK;       // 576
 constexpr int kBlockM = 48;                      // query rows per work item
-constexpr int kTileN = 16;                       // keys per pipeline tile
-constexpr int kStages = 4;                       // cp.async ring depth (2 tiles in flight + 2 in use)
+constexpr int kTileN = 32;                       // keys per pipeline tile (4 n8 mma tiles, 2 k16 steps of P V)
+constexpr int kStages = 2;                       // key buffers: tile i computed while tile i+1 lands
 constexpr int kScoreWarps = kBlockM / 16;        // 3
 constexpr int kValueWarps = 8;
 constexpr int kValueCols = kDimNope / kValueWarps;  // 64 value columns per value warp
 constexpr int kWarps = kScoreWarps + kValueWarps;   // 11
 constexpr int kThreads = kWarps * 32;               // 352
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
+constexpr int kKeyBytes = kDimQK * 2;    // 1152: one bulk copy per key
 // Registers: 11 warps put 3 warps on three of the four SM sub-partitions, whose register files hold
 // 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 384) live
 // in registers (24 k-steps x 4 = 96), columns [384, 576) (the last 128 nope + the 64 rope values) in
-// shared memory; the registers this frees buy a second pair of accumulators.
+// shared memory.
 constexpr int kQRegSteps = 24;
 constexpr int kQRegDims = kQRegSteps * 16;                 // 384
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
-constexpr int kPPitch = kTileN + 8;      // bf16 per smem P row (48 B: 8 rows hit 8 distinct 16 B bank groups)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
-constexpr int kChunksPerRow = kDimQK * 2 / 16;  // 72 16-byte chunks per key row
+
+// Named barriers (0 is __syncthreads): the whole block, "P of buffer b is ready" (score warps
+// arrive, value warps wait) and the value warps among themselves (buffer consumed, may refill).
+constexpr int kBarBlock = 1;
+constexpr int kBarPFull = 2;   // + buffer index
+constexpr int kBarValues = 4;
 
 static_assert(kBlockM % 16 == 0, "row tile is a whole number of m16 blocks");
-static_assert(kTileN == 16, "score warps hold exactly two n8 mma tiles per key tile; P is one k16 step");
+static_assert(kTileN == 32, "score warps hold four n8 accumulators; the issuing warp copies one key per lane");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
-static_assert(kStages == 4, "the ring schedule below (issue tile i+2 into the slot of tile i-2) needs 4 stages");
 static_assert((kKvPitch * 2) % 16 == 0 && ((kKvPitch * 2) / 16) % 2 == 1,
               "key rows must stay 16 B aligned and an odd number of 16 B units apart (conflict-free ldmatrix)");
+static_assert(kKeyBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 static_assert(kMinChunk % kTileN == 0, "splits are whole tiles");
 static_assert(kQRegDims <= kDimNope && kQSmemDims % 16 == 0, "the register part of q is nope columns only");
 
@@ -76,11 +83,13 @@ struct ReqPlan {
 struct SharedStorage {
   __nv_bfloat16 kv[kStages][kTileN][kKvPitch];      // 74,752 B
   __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 19,200 B: query columns [384, 576)
-  __nv_bfloat16 p[2][kBlockM][kPPitch];             //  4,608 B
-  float alpha[2][kBlockM];                          //    384 B
+  // P tiles, [buffer][row][32 keys], 16-byte chunks XOR-swizzled by (row / 2) % 4 (no padding
+  // needed: 8 rows of one logical chunk land in 8 distinct bank groups)
+  __nv_bfloat16 p[kStages][kBlockM][kTileN];        //  6,144 B
+  float alpha[kStages][kBlockM];                    //    384 B
   float row_m[kBlockM];
   float row_l[kBlockM];
-  const __nv_bfloat16* src[kStages][kTileN];        // gather addresses of the keys of a tile (null = pad)
+  unsigned long long full[kStages];                 // mbarriers: the keys of buffer b have landed
   int item;
 };
 // The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
@@ -112,6 +121,7 @@ struct Params {
   long long max_partial_rows;
   // workspace views
   int* counter;       // [2]: dynamic work counter, total items
+  const __nv_bfloat16* zero_row;  // [576] zeros: the source of keys past a split's end
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
   __nv_bfloat16* partial_o;  // [max_partial_rows, 512]
@@ -196,6 +206,8 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
     prm.counter[0] = 0;
     prm.counter[1] = s_carry_items;
   }
+  __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
+  for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,18 +238,38 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  // src-size 0 zero-fills the 16 bytes and reads nothing: padding keys never touch memory.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
+// ---- mbarrier + bulk copy (sm_90+, also sm_120): the gather of whole 1152-byte key rows ----
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(phase)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// All 352 threads, from the score and the value branches alike: a named barrier states that the two
-// branches meet here (a plain __syncthreads in divergent code is legal on sm_70+ but reads as a bug).
-__device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory"); }
+// Named barriers: `count` threads take part; bar.arrive does not wait (producer side).
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 // 2^x on the SFU (ex2.approx: ~2 ulp, flushes denormals; -inf -> +0), as flash kernels use for softmax.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -262,33 +294,30 @@ struct ItemCtx {
   int ntiles;
 };
 
-// Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued an
-// iteration before its pointer is needed so its latency never stalls the pipeline.
+// Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
+// tile before its copy so its latency never stalls the pipeline.
 __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& c, int key) {
   return key < c.k1 && key < c.rp.p ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key) : -1;
 }
 __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
-  if (key >= c.k1) return nullptr;
+  if (key >= c.k1) return prm.zero_row;
   if (key < c.rp.p) return prm.kv + slot * prm.kv_ss;
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
-// 16 keys x 72 chunks of 16 B, issued by the 256 value-warp threads only: the score warps are the
-// critical path of every tile and must go straight from the barrier to their mma chain. The loop is
-// fully unrolled over a thread's fixed copy slots, so the (key, chunk) decode is a few integer ops.
-constexpr int kIssueThreads = kValueWarps * 32;
-constexpr int kCopies = (kTileN * kChunksPerRow + kIssueThreads - 1) / kIssueThreads;  // 5 (the last partial)
-
-__device__ __forceinline__ void issue_tile(SharedStorage& sm, int stage, int vtid) {
-#pragma unroll
-  for (int j = 0; j < kCopies; ++j) {
-    const int i = vtid + j * kIssueThreads;
-    if ((j + 1) * kIssueThreads > kTileN * kChunksPerRow && i >= kTileN * kChunksPerRow) continue;
-    const int k = i / kChunksPerRow, e = (i - k * kChunksPerRow) * 8;
-    const __nv_bfloat16* src = sm.src[stage][k];
-    cp_async_16(&sm.kv[stage][k][e], src ? src + e : reinterpret_cast<const __nv_bfloat16*>(&sm), src != nullptr);
-  }
+// One warp fills buffer `b` with tile `t`: lane = key. Lane 0 announces the bytes, then every lane
+// issues its row's bulk copy. `slot` is this lane's key slot, loaded earlier.
+__device__ __forceinline__ void issue_tile(SharedStorage& sm, const Params& prm, const ItemCtx& cx, int t, int b,
+                                           int lane, long long slot) {
+  fence_proxy_async();   // earlier generic-proxy accesses of this buffer ordered before the async writes
+  if (lane == 0) mbar_arrive_expect_tx(&sm.full[b], kTileN * kKeyBytes);
+  __syncwarp();
+  const int key = cx.k0 + t * kTileN + lane;
+  bulk_copy_g2s(&sm.kv[b][lane][0], key_ptr(prm, cx, key, slot), kKeyBytes, &sm.full[b]);
 }
+
+// Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
+__device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN + ((chunk ^ ((row >> 1) & 3)) << 3); }
 
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params prm) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -299,7 +328,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   const int g = lane >> 2;  // mma group: row within an 8-row half
   const int c = lane & 3;   // thread in group: column pair
   const int total = prm.counter[1];
-  const int vtid = tid - kScoreWarps * 32;   // copy slot of a value-warp thread
+  const bool issuer = warp == kScoreWarps;   // the first value warp gathers the keys
+  uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
+
+  if (tid == 0) {
+    for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], 1);
+    fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
+  }
+  __syncthreads();
 
   for (;;) {
     if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
@@ -307,7 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     const int item = sm.item;
     if (item >= total) return;
 
-    // ---- locate the item: binary search the request whose item range holds it ----
+    // ---- locate the item: the last request whose item range starts at or before it owns it
+    // (a request without items shares item_begin with its successor, so it is never the last) ----
     ItemCtx cx;
     {
       int lo = 0, hi = prm.batch - 1;
@@ -315,8 +352,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         const int mid = (lo + hi + 1) >> 1;
         if (prm.plan[mid].item_begin <= item) lo = mid; else hi = mid - 1;
       }
-      // The last request whose range starts at or before `item` owns it: a request without items
-      // shares its item_begin with its successor, so it is never the last such request.
       cx.rp = prm.plan[lo];
       const int local = item - cx.rp.item_begin;
       cx.split = local / cx.rp.mtiles;
@@ -329,11 +364,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     }
     const int H = prm.heads;
 
-    // ---- gather addresses of tiles 0..2, query columns [384, 576) into shared memory ----
-    if (tid < 3 * kTileN) {
-      const int t = tid / kTileN, k = tid % kTileN;
-      const int key = cx.k0 + t * kTileN + k;
-      sm.src[t][k] = t < cx.ntiles ? key_ptr(prm, cx, key, key_slot(prm, cx, key)) : nullptr;
+    // ---- prologue: tiles 0 and 1 on their way, query columns [384, 576) into shared memory ----
+    long long next_slot = -1;   // issuer lanes: slot id of the next tile to issue
+    if (issuer) {
+      issue_tile(sm, prm, cx, 0, 0, lane, key_slot(prm, cx, cx.k0 + lane));
+      if (cx.ntiles > 1) issue_tile(sm, prm, cx, 1, 1, lane, key_slot(prm, cx, cx.k0 + kTileN + lane));
+      if (cx.ntiles > 2) next_slot = key_slot(prm, cx, cx.k0 + 2 * kTileN + lane);
     }
     for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
       const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
@@ -349,25 +385,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       *reinterpret_cast<uint4*>(&sm.q_tail[r][ch * 8]) = v;
     }
     __syncthreads();
-    if (warp >= kScoreWarps) {
-      issue_tile(sm, 0, vtid);
-      cp_async_commit();
-      issue_tile(sm, 1, vtid);
-      cp_async_commit();
-    }
 
     if (warp < kScoreWarps) {
       // =========================== score warps ===========================
       const int wrow = warp * 16;                     // first tile row of this warp
       const bool active = wrow < cx.rows;
-      // q_nope columns [0, 384) as A fragments: qa[ks] covers columns [16 ks, 16 ks + 16)
-      uint32_t qa[kQRegSteps][4];
-      int my_n[2];                                    // verify token of rows g and g+8 (-1 = padding)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wrow + g + half * 8;
-        my_n[half] = r < cx.rows ? (cx.row0 + r) / H : -1;
-      }
+      uint32_t qa[kQRegSteps][4];                     // q_nope columns [0, 384) as A fragments
       {
         const __nv_bfloat16* qrow[2];
 #pragma unroll
@@ -391,97 +414,104 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       float m_run[2] = {-INFINITY, -INFINITY};
       float l_run[2] = {0.f, 0.f};
 
-      for (int it = 0; it <= cx.ntiles; ++it) {
-        block_barrier();   // the value warps waited for tile `it` before arriving
-        if (it == cx.ntiles || !active) continue;
-
-        const int stage = it % kStages;
-        float acc[2][2][4] = {};   // [k-step parity][n8 tile]: 4 independent accumulation chains
-        // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
-        const __nv_bfloat16* kbase = &sm.kv[stage][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
+      for (int it = 0; it < cx.ntiles; ++it) {
+        const int b = it & 1;
+        // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile it-2):
+        // they refilled this buffer only after finishing it.
+        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
+        phase_bits ^= 1u << b;
+        if (active) {
+          float acc[4][4] = {};   // four n8 key tiles: four independent mma chains
+          // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
+          const __nv_bfloat16* kbase = &sm.kv[b][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
-        for (int ks = 0; ks < kQRegSteps; ++ks) {
-          uint32_t b[4];
-          ldmatrix_x4(b, kbase + ks * 16);
-          mma_bf16(acc[ks & 1][0], qa[ks], b[0], b[1]);
-          mma_bf16(acc[ks & 1][1], qa[ks], b[2], b[3]);
-        }
-        const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
-#pragma unroll
-        for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
-          uint32_t a[4], b[4];
-          ldmatrix_x4(a, qtbase + ks * 16);
-          ldmatrix_x4(b, kbase + kQRegDims + ks * 16);
-          mma_bf16(acc[ks & 1][0], a, b[0], b[1]);
-          mma_bf16(acc[ks & 1][1], a, b[2], b[3]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[1][nt][e];
-
-        // ---- scale, mask, online softmax ----
-        const int key0 = cx.k0 + it * kTileN;
-        const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;  // whole tile prefix: no mask
-        float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int half = e >> 1;
-            float s = acc[0][nt][e] * prm.scale_log2;
-            if (!plain) {
-              const int key = key0 + nt * 8 + 2 * c + (e & 1);
-              bool vis = key < cx.k1;
-              if (vis && key >= cx.rp.p) {
-                const int j = key - cx.rp.p;
-                const int n = my_n[half];
-                if (n < 0) {
-                  vis = false;
-                } else if (prm.tree_mask) {
-                  const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (j >> 6)];
-                  vis = (w >> (j & 63)) & 1ull;
-                } else {
-                  vis = j <= n;
-                }
-              }
-              if (!vis) s = -INFINITY;
-            }
-            acc[0][nt][e] = s;
-            tmax[half] = fmaxf(tmax[half], s);
+          for (int ks = 0; ks < kQRegSteps; ++ks) {
+            uint32_t b0[4], b1[4];
+            ldmatrix_x4(b0, kbase + ks * 16);
+            ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
+            mma_bf16(acc[0], qa[ks], b0[0], b0[1]);
+            mma_bf16(acc[1], qa[ks], b0[2], b0[3]);
+            mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
+            mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
           }
-        }
+          const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
-          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
-        }
-        float alpha[2], m_use[2];
+          for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
+            uint32_t a[4], b0[4], b1[4];
+            ldmatrix_x4(a, qtbase + ks * 16);
+            ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
+            ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
+            mma_bf16(acc[0], a, b0[0], b0[1]);
+            mma_bf16(acc[1], a, b0[2], b0[3]);
+            mma_bf16(acc[2], a, b1[0], b1[1]);
+            mma_bf16(acc[3], a, b1[2], b1[3]);
+          }
+
+          // ---- scale, mask, online softmax ----
+          const int key0 = cx.k0 + it * kTileN;
+          const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;  // all prefix: no mask
+          float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float m_new = fmaxf(m_run[half], tmax[half]);
-          m_use[half] = m_new == -INFINITY ? 0.f : m_new;   // a row with nothing visible yet stays at 0
-          alpha[half] = fast_exp2(m_run[half] - m_use[half]);
-          m_run[half] = m_new;
-        }
-        float psum[2] = {0.f, 0.f};
-        const int pb = it & 1;
+          for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+            for (int e = 0; e < 4; ++e) {
+              const int half = e >> 1;
+              float sc = acc[nt][e] * prm.scale_log2;
+              if (!plain) {
+                const int key = key0 + nt * 8 + 2 * c + (e & 1);
+                bool vis = key < cx.k1;
+                if (vis && key >= cx.rp.p) {
+                  const int j = key - cx.rp.p;
+                  const int r = wrow + g + half * 8;   // verify token of this row (-1: padding row)
+                  const int n = r < cx.rows ? (cx.row0 + r) / H : -1;
+                  if (n < 0) {
+                    vis = false;
+                  } else if (prm.tree_mask) {
+                    const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (j >> 6)];
+                    vis = (w >> (j & 63)) & 1ull;
+                  } else {
+                    vis = j <= n;
+                  }
+                }
+                if (!vis) sc = -INFINITY;
+              }
+              acc[nt][e] = sc;
+              tmax[half] = fmaxf(tmax[half], sc);
+            }
+          }
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const float p0 = fast_exp2(acc[0][nt][2 * half] - m_use[half]);
-            const float p1 = fast_exp2(acc[0][nt][2 * half + 1] - m_use[half]);
-            psum[half] += p0 + p1;
-            *reinterpret_cast<uint32_t*>(&sm.p[pb][wrow + g + half * 8][nt * 8 + 2 * c]) = pack_bf16(p0, p1);
+            tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+            tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+          }
+          float alpha[2], m_use[2];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float m_new = fmaxf(m_run[half], tmax[half]);
+            m_use[half] = m_new == -INFINITY ? 0.f : m_new;   // a row with nothing visible yet stays at 0
+            alpha[half] = fast_exp2(m_run[half] - m_use[half]);
+            m_run[half] = m_new;
+          }
+          float psum[2] = {0.f, 0.f};
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const float p0 = fast_exp2(acc[nt][2 * half] - m_use[half]);
+              const float p1 = fast_exp2(acc[nt][2 * half + 1] - m_use[half]);
+              psum[half] += p0 + p1;
+              const int row = wrow + g + half * 8;
+              *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, nt) + 2 * c) = pack_bf16(p0, p1);
+            }
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+          if (c == 0) {
+            sm.alpha[b][wrow + g] = alpha[0];
+            sm.alpha[b][wrow + g + 8] = alpha[1];
           }
         }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
-        if (c == 0) {
-          sm.alpha[pb][wrow + g] = alpha[0];
-          sm.alpha[pb][wrow + g + 8] = alpha[1];
-        }
+        bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
       }
       // row statistics for the epilogue (l is a per-thread partial: reduce over the quad)
 #pragma unroll
@@ -495,10 +525,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         sm.row_l[wrow + g] = l_run[0];
         sm.row_l[wrow + g + 8] = l_run[1];
       }
-      block_barrier();  // pairs with the value warps' epilogue barrier
+      bar_sync(kBarBlock, kThreads);  // pairs with the value warps' epilogue barrier
       // partial log2-sum-exp, one value per row
-      const bool partial = cx.rp.nsplit > 1;
-      if (partial && c == 0) {
+      if (cx.rp.nsplit > 1 && c == 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = wrow + g + half * 8;
@@ -515,32 +544,16 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       const int col0 = vw * kValueCols;
       const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
       float o[kScoreWarps][kValueCols / 8][4] = {};
-      long long pending_slot = vw == 0 && lane < kTileN && 3 < cx.ntiles
-                                   ? key_slot(prm, cx, cx.k0 + 3 * kTileN + lane) : -1;
 
-      for (int it = 0; it <= cx.ntiles; ++it) {
-        cp_async_wait<1>();
-        block_barrier();
-        if (it + 2 < cx.ntiles) issue_tile(sm, (it + 2) % kStages, vtid);
-        cp_async_commit();
-        // Gather addresses: tile it+3's pointers from the slot ids loaded an iteration ago, then the
-        // slot ids of tile it+4 (consumed next iteration: the load never stalls this warp). A value
-        // warp does it: the score warps have no registers to spare.
-        if (vw == 0 && lane < kTileN) {
-          if (it + 3 < cx.ntiles) {
-            const int key = cx.k0 + (it + 3) * kTileN + lane;
-            sm.src[(it + 3) % kStages][lane] = key_ptr(prm, cx, key, pending_slot);
-          }
-          if (it + 4 < cx.ntiles) pending_slot = key_slot(prm, cx, cx.k0 + (it + 4) * kTileN + lane);
-        }
-        if (it == 0) continue;
-        const int j = it - 1;
-        const int stage = j % kStages;
-        const int pb = j & 1;
+      for (int it = 0; it < cx.ntiles; ++it) {
+        const int b = it & 1;
+        bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
+        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // already complete: acquires the keys' bytes
+        phase_bits ^= 1u << b;
 #pragma unroll
         for (int rb = 0; rb < kScoreWarps; ++rb) {
-          const float a0 = sm.alpha[pb][rb * 16 + g];
-          const float a1 = sm.alpha[pb][rb * 16 + g + 8];
+          const float a0 = sm.alpha[b][rb * 16 + g];
+          const float a1 = sm.alpha[b][rb * 16 + g + 8];
           // once the running maxima settle, alpha is exactly 1 for whole row blocks: skip 32 FMULs
           if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
 #pragma unroll
@@ -552,27 +565,39 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             }
           }
         }
-        uint32_t pa[kScoreWarps][4];
 #pragma unroll
-        for (int rb = 0; rb < kScoreWarps; ++rb)
-          if (rb < rblocks)
-            ldmatrix_x4(pa[rb], &sm.p[pb][rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8]);
-        // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
-        const __nv_bfloat16* vbase = &sm.kv[stage][((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
-#pragma unroll
-        for (int np = 0; np < kValueCols / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, vbase + np * 16);
+        for (int kk = 0; kk < kTileN / 16; ++kk) {
+          uint32_t pa[kScoreWarps][4];
 #pragma unroll
           for (int rb = 0; rb < kScoreWarps; ++rb) {
-            if (rb < rblocks) {
-              mma_bf16(o[rb][2 * np], pa[rb], b[0], b[1]);
-              mma_bf16(o[rb][2 * np + 1], pa[rb], b[2], b[3]);
+            const int row = rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            if (rb < rblocks) ldmatrix_x4(pa[rb], &sm.p[b][0][0] + p_off(row, 2 * kk + (lane >> 4)));
+          }
+          // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
+          const __nv_bfloat16* vbase =
+              &sm.kv[b][kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
+#pragma unroll
+          for (int np = 0; np < kValueCols / 16; ++np) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+            for (int rb = 0; rb < kScoreWarps; ++rb) {
+              if (rb < rblocks) {
+                mma_bf16(o[rb][2 * np], pa[rb], vb[0], vb[1]);
+                mma_bf16(o[rb][2 * np + 1], pa[rb], vb[2], vb[3]);
+              }
             }
           }
         }
+        // every value warp is done with buffer b (the score warps finished it before publishing P):
+        // refill it with tile it+2
+        bar_sync(kBarValues, kValueWarps * 32);
+        if (issuer && it + 2 < cx.ntiles) {
+          issue_tile(sm, prm, cx, it + 2, b, lane, next_slot);
+          if (it + 3 < cx.ntiles) next_slot = key_slot(prm, cx, cx.k0 + (it + 3) * kTileN + lane);
+        }
       }
-      block_barrier();  // row_m / row_l written by the score warps
+      bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
       const bool partial = cx.rp.nsplit > 1;
 #pragma unroll
       for (int rb = 0; rb < kScoreWarps; ++rb) {
@@ -598,9 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         }
       }
     }
-    // every async copy of this item has landed (the last groups are empty), all shared reads done
-    cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
   }
 }
 

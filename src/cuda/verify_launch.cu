@@ -22,7 +22,7 @@ constexpr int kSplitsPerSm = 2;  // a long request becomes ~2 work items per SM 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct Layout {
-  size_t header, plan, lse, partial, total;
+  size_t header, zero_row, plan, lse, partial, total;
   long long max_partial_rows;
 };
 
@@ -34,7 +34,8 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
-  l.plan = align_up(2 * sizeof(int));
+  l.zero_row = align_up(2 * sizeof(int));
+  l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
   l.total = l.partial + align_up((size_t)l.max_partial_rows * kdtree::kDimNope * sizeof(__nv_bfloat16));
@@ -175,6 +176,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
+  prm.zero_row = reinterpret_cast<const __nv_bfloat16*>(ws + lay.zero_row);
   prm.plan = reinterpret_cast<ReqPlan*>(ws + lay.plan);
   prm.partial_lse = reinterpret_cast<float*>(ws + lay.lse);
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
