@@ -201,6 +201,15 @@ def test_on_rows_that_see_no_key_are_zero(sg_patch):
     assert rows[6:8].abs().sum() > 0                                # request 1's see its prefix
 
 
+def test_progress_lines_at_powers_of_ten(sg_patch, caplog):
+    sg_patch.install("on", propagate=False)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for seed in range(2):
+            build_case(seed=seed, n=2, prefix_lens=[3]).call()
+    progress = [r.getMessage() for r in caplog.records if "kdtree progress" in r.getMessage()]
+    assert len(progress) == 1 and "1 served" in progress[0], progress   # at 1, next at 10
+
+
 def test_on_without_save_kv_cache_leaves_pool_untouched(sg_patch):
     sg_patch.install("on", propagate=False)
     case = build_case(seed=8, batch=2, n=3, prefix_lens=[4, 7])

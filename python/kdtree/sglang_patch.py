@@ -144,6 +144,7 @@ class _State:
         self.last_mismatch_log = -math.inf
         self.mismatch_logs_suppressed = 0
         self.set_env = False
+        self.next_progress_log = 1     # served-call count of the next progress line (x10 each time)
 
 
 _state = _State()
@@ -212,6 +213,7 @@ def reset_stats() -> None:
         _state.logged_reasons.clear()
         _state.last_mismatch_log = -math.inf
         _state.mismatch_logs_suppressed = 0
+        _state.next_progress_log = 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,6 +353,8 @@ def _make_wrapper(original):
             _fall_back(reason)
             return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
         _state.counters.served += 1
+        if _state.counters.served >= _state.next_progress_log:
+            _log_progress()
         if run_mode == "on":
             return _serve(self, q, k, v, layer, forward_batch, extras.get("save_kv_cache", True))
         return _validate(original, self, q, k, v, layer, forward_batch, args, kwargs)
@@ -672,18 +676,29 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, layer) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# exit summary (per process: the scheduler / TP workers of a server each log theirs)
+# summaries in the log (per process: the scheduler / TP workers of a server each log theirs, and
+# SGLang may end them without running atexit, hence also the progress lines at 1, 10, 100, ...)
 # ------------------------------------------------------------------------------------------------
 
 
-def _log_summary_at_exit() -> None:
+def _summary() -> str:
     c = _state.counters
-    if c.calls == 0:
-        return
-    logger.info("kdtree summary (pid %d, mode %s): %d patched calls, %d served, %d fell back %s; "
-                "validate: %d compared, %d mismatched, %d skipped in graph capture, %d kernel errors, "
-                "max abs err %.4g", os.getpid(), _state.mode, c.calls, c.served, c.fallback,
-                c.fallback_reasons, c.compared, c.mismatched, c.skipped_capture, c.kernel_errors, c.max_abs_err)
+    text = (f"pid {os.getpid()}, mode {_state.mode}: {c.calls} patched calls, {c.served} served, "
+            f"{c.fallback} fell back {c.fallback_reasons or ''}")
+    if _state.mode == "validate" or c.compared:
+        text += (f"; validate: {c.compared} compared, {c.mismatched} mismatched, {c.skipped_capture} not compared "
+                 f"(CUDA-graph capture), {c.kernel_errors} kernel errors, max abs err {c.max_abs_err:.4g}")
+    return text
+
+
+def _log_progress() -> None:
+    _state.next_progress_log *= 10
+    logger.info("kdtree progress (%s)", _summary())
+
+
+def _log_summary_at_exit() -> None:
+    if _state.counters.calls:
+        logger.info("kdtree summary (%s)", _summary())
 
 
 atexit.register(_log_summary_at_exit)
