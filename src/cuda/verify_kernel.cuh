@@ -300,6 +300,9 @@ __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& 
   return key < c.k1 && key < c.rp.p ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key) : -1;
 }
 __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
+#ifdef KDTREE_EXP_NO_GATHER   // profiling aid: every key copies the (L2-resident) zero row
+  return prm.zero_row;
+#endif
   if (key >= c.k1) return prm.zero_row;
   if (key < c.rp.p) return prm.kv + slot * prm.kv_ss;
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
@@ -422,6 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         phase_bits ^= 1u << b;
         if (active) {
           float acc[4][4] = {};   // four n8 key tiles: four independent mma chains
+#ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
           // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
           const __nv_bfloat16* kbase = &sm.kv[b][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
@@ -446,6 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             mma_bf16(acc[2], a, b1[0], b1[1]);
             mma_bf16(acc[3], a, b1[2], b1[3]);
           }
+#endif
 
           // ---- scale, mask, online softmax ----
           const int key0 = cx.k0 + it * kTileN;
@@ -565,6 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             }
           }
         }
+#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
 #pragma unroll
         for (int kk = 0; kk < kTileN / 16; ++kk) {
           uint32_t pa[kScoreWarps][4];
@@ -589,6 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             }
           }
         }
+#endif
         // every value warp is done with buffer b (the score warps finished it before publishing P):
         // refill it with tile it+2
         bar_sync(kBarValues, kValueWarps * 32);
