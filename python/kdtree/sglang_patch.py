@@ -476,7 +476,8 @@ def _cuda_problem_cached(index: int) -> Optional[str]:
         return f"kdtree's CUDA extension is not available ({exc})"
     major, minor = torch.cuda.get_device_capability(index)
     archs = str(ext.compiled_archs())
-    listed = {a.strip() for a in archs.split(",") if a.strip()}
+    # "90,120" (numbers only, says the build); tolerate suffixed forms like "90a" all the same
+    listed = {"".join(ch for ch in a if ch.isdigit()) for a in archs.split(",") if a.strip()}
     if listed and f"{major}{minor}" not in listed:
         return f"cuda:{index} is sm_{major}{minor}; this kdtree build carries kernels for sm_{archs}"
     return None
