@@ -136,6 +136,23 @@ def test_install_is_idempotent_and_keeps_original(sg_patch, caplog):
     assert cls.forward_extend is original
 
 
+def test_autopatch_patches_an_already_imported_backend(sg_patch, monkeypatch):
+    import sys
+
+    from kdtree import _autopatch
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))    # the hook goes away afterwards
+    monkeypatch.setenv("KDTREE_VERIFY", "Validate")
+    assert _autopatch.activate() is True
+    assert sg_patch.is_installed() and sg_patch.mode() == "validate"
+    assert sum(getattr(f, "_kdtree_autopatch", False) for f in sys.meta_path) == 1
+    _autopatch.activate()                                          # idempotent
+    assert sum(getattr(f, "_kdtree_autopatch", False) for f in sys.meta_path) == 1
+    monkeypatch.setenv("KDTREE_VERIFY", "off")
+    sg_patch.uninstall()
+    assert _autopatch.activate() is False and not sg_patch.is_installed()
+
+
 def test_install_propagates_mode_to_environment(sg_patch):
     import os
 
