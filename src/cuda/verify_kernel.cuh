@@ -51,6 +51,13 @@ constexpr int kQRegDims = kQRegSteps * 16;                 // 384
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
+// Two shared-memory tiles in flight (72 KB) are too few bytes to cover the gather latency at full
+// bandwidth (measured: the loads, not the mma, bound v2). Rows kPrefetchTiles tiles ahead of the
+// next bulk copy are pulled into L2 first, so each bulk copy mostly hits L2.
+#ifndef KDTREE_PREFETCH_TILES
+#define KDTREE_PREFETCH_TILES 4
+#endif
+constexpr int kPrefetchTiles = KDTREE_PREFETCH_TILES;
 
 // Named barriers (0 is __syncthreads): the whole block, "P of buffer b is ready" (score warps
 // arrive, value warps wait) and the value warps among themselves (buffer consumed, may refill).
@@ -261,6 +268,10 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int by
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+// Pull one key row into L2 ahead of its bulk copy (no shared memory, no completion to track).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Named barriers: `count` threads take part; bar.arrive does not wait (producer side).
@@ -369,10 +380,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 
     // ---- prologue: tiles 0 and 1 on their way, query columns [384, 576) into shared memory ----
     long long next_slot = -1;   // issuer lanes: slot id of the next tile to issue
+    long long pf_slot = -1;     // issuer lanes: slot id of the next tile to prefetch into L2
     if (issuer) {
       issue_tile(sm, prm, cx, 0, 0, lane, key_slot(prm, cx, cx.k0 + lane));
       if (cx.ntiles > 1) issue_tile(sm, prm, cx, 1, 1, lane, key_slot(prm, cx, cx.k0 + kTileN + lane));
       if (cx.ntiles > 2) next_slot = key_slot(prm, cx, cx.k0 + 2 * kTileN + lane);
+#pragma unroll
+      for (int t = 2; t < 2 + kPrefetchTiles; ++t) {
+        const int key = cx.k0 + t * kTileN + lane;
+        if (key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, key, key_slot(prm, cx, key)), kKeyBytes);
+      }
+      pf_slot = key_slot(prm, cx, cx.k0 + (2 + kPrefetchTiles) * kTileN + lane);
     }
     for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
       const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
@@ -602,6 +620,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         if (issuer && it + 2 < cx.ntiles) {
           issue_tile(sm, prm, cx, it + 2, b, lane, next_slot);
           if (it + 3 < cx.ntiles) next_slot = key_slot(prm, cx, cx.k0 + (it + 3) * kTileN + lane);
+          const int pf_key = cx.k0 + (it + 2 + kPrefetchTiles) * kTileN + lane;
+          if (pf_key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, pf_key, pf_slot), kKeyBytes);
+          pf_slot = key_slot(prm, cx, pf_key + kTileN);
         }
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
