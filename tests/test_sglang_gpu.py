@@ -145,7 +145,7 @@ def _refresh_inputs(case, seed):
         for b, p in enumerate(case.prefix_lens):
             vis = random_tree(case.n, 0, g)
             block = md.custom_mask[starts[b]:starts[b] + case.n * (p + case.n)].view(case.n, p + case.n)
-            block[:, p:] = vis.to(block.dtype).cuda()
+            block[:, p:] = vis.to(block.dtype).to(block.device)
             case.tree[b] = vis
 
 
