@@ -51,11 +51,10 @@ constexpr int kQRegDims = kQRegSteps * 16;                 // 384
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
-// Two shared-memory tiles in flight (72 KB) are too few bytes to cover the gather latency at full
-// bandwidth (measured: the loads, not the mma, bound v2). Rows kPrefetchTiles tiles ahead of the
-// next bulk copy are pulled into L2 first, so each bulk copy mostly hits L2.
+// Optional L2 prefetch of key rows kPrefetchTiles tiles ahead of the bulk copies. Measured on the
+// H200 (docs/PERF_LOG.md): 4, 8 and 16 tiles were all slower than none, so it is off (0).
 #ifndef KDTREE_PREFETCH_TILES
-#define KDTREE_PREFETCH_TILES 4
+#define KDTREE_PREFETCH_TILES 0
 #endif
 constexpr int kPrefetchTiles = KDTREE_PREFETCH_TILES;
 
@@ -319,15 +318,19 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
-// One warp fills buffer `b` with tile `t`: lane = key. Lane 0 announces the bytes, then every lane
-// issues its row's bulk copy. `slot` is this lane's key slot, loaded earlier.
+// The value warps fill buffer `b` with tile `t`, kKeysPerWarp keys each (a bulk copy is issued by
+// one thread at a time, so one warp issuing all 32 serialises them). The first value thread
+// announces the tile's bytes; copies may complete before that: the phase needs the arrival too.
+constexpr int kKeysPerWarp = kTileN / kValueWarps;   // 4
+static_assert(kTileN % kValueWarps == 0, "keys of a tile split evenly over the value warps");
 __device__ __forceinline__ void issue_tile(SharedStorage& sm, const Params& prm, const ItemCtx& cx, int t, int b,
-                                           int lane, long long slot) {
-  fence_proxy_async();   // earlier generic-proxy accesses of this buffer ordered before the async writes
-  if (lane == 0) mbar_arrive_expect_tx(&sm.full[b], kTileN * kKeyBytes);
-  __syncwarp();
-  const int key = cx.k0 + t * kTileN + lane;
-  bulk_copy_g2s(&sm.kv[b][lane][0], key_ptr(prm, cx, key, slot), kKeyBytes, &sm.full[b]);
+                                           int vw, int lane, long long slot) {
+  if (vw == 0 && lane == 0) mbar_arrive_expect_tx(&sm.full[b], kTileN * kKeyBytes);
+  if (lane < kKeysPerWarp) {
+    fence_proxy_async();   // earlier generic-proxy accesses of this buffer ordered before the async writes
+    const int k = vw * kKeysPerWarp + lane;
+    bulk_copy_g2s(&sm.kv[b][k][0], key_ptr(prm, cx, cx.k0 + t * kTileN + k, slot), kKeyBytes, &sm.full[b]);
+  }
 }
 
 // Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
@@ -342,7 +345,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   const int g = lane >> 2;  // mma group: row within an 8-row half
   const int c = lane & 3;   // thread in group: column pair
   const int total = prm.counter[1];
-  const bool issuer = warp == kScoreWarps;   // the first value warp gathers the keys
+  const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
+  const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
+  const int my_key = vw * kKeysPerWarp + lane;          // an issuer's key within each tile
   uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
 
   if (tid == 0) {
@@ -381,16 +386,20 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     // ---- prologue: tiles 0 and 1 on their way, query columns [384, 576) into shared memory ----
     long long next_slot = -1;   // issuer lanes: slot id of the next tile to issue
     long long pf_slot = -1;     // issuer lanes: slot id of the next tile to prefetch into L2
+    if (vw >= 0) {
+      issue_tile(sm, prm, cx, 0, 0, vw, lane, issuer ? key_slot(prm, cx, cx.k0 + my_key) : -1);
+      if (cx.ntiles > 1) issue_tile(sm, prm, cx, 1, 1, vw, lane, issuer ? key_slot(prm, cx, cx.k0 + kTileN + my_key) : -1);
+    }
     if (issuer) {
-      issue_tile(sm, prm, cx, 0, 0, lane, key_slot(prm, cx, cx.k0 + lane));
-      if (cx.ntiles > 1) issue_tile(sm, prm, cx, 1, 1, lane, key_slot(prm, cx, cx.k0 + kTileN + lane));
-      if (cx.ntiles > 2) next_slot = key_slot(prm, cx, cx.k0 + 2 * kTileN + lane);
+      if (cx.ntiles > 2) next_slot = key_slot(prm, cx, cx.k0 + 2 * kTileN + my_key);
+      if constexpr (kPrefetchTiles > 0) {
 #pragma unroll
-      for (int t = 2; t < 2 + kPrefetchTiles; ++t) {
-        const int key = cx.k0 + t * kTileN + lane;
-        if (key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, key, key_slot(prm, cx, key)), kKeyBytes);
+        for (int t = 2; t < 2 + kPrefetchTiles; ++t) {
+          const int key = cx.k0 + t * kTileN + my_key;
+          if (key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, key, key_slot(prm, cx, key)), kKeyBytes);
+        }
+        pf_slot = key_slot(prm, cx, cx.k0 + (2 + kPrefetchTiles) * kTileN + my_key);
       }
-      pf_slot = key_slot(prm, cx, cx.k0 + (2 + kPrefetchTiles) * kTileN + lane);
     }
     for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
       const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
@@ -563,7 +572,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       }
     } else {
       // =========================== value warps ===========================
-      const int vw = warp - kScoreWarps;
       const int col0 = vw * kValueCols;
       const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
       float o[kScoreWarps][kValueCols / 8][4] = {};
@@ -617,12 +625,16 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         // every value warp is done with buffer b (the score warps finished it before publishing P):
         // refill it with tile it+2
         bar_sync(kBarValues, kValueWarps * 32);
-        if (issuer && it + 2 < cx.ntiles) {
-          issue_tile(sm, prm, cx, it + 2, b, lane, next_slot);
-          if (it + 3 < cx.ntiles) next_slot = key_slot(prm, cx, cx.k0 + (it + 3) * kTileN + lane);
-          const int pf_key = cx.k0 + (it + 2 + kPrefetchTiles) * kTileN + lane;
-          if (pf_key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, pf_key, pf_slot), kKeyBytes);
-          pf_slot = key_slot(prm, cx, pf_key + kTileN);
+        if (it + 2 < cx.ntiles) {
+          issue_tile(sm, prm, cx, it + 2, b, vw, lane, next_slot);
+          if (issuer) {
+            if (it + 3 < cx.ntiles) next_slot = key_slot(prm, cx, cx.k0 + (it + 3) * kTileN + my_key);
+            if constexpr (kPrefetchTiles > 0) {
+              const int pf_key = cx.k0 + (it + 2 + kPrefetchTiles) * kTileN + my_key;
+              if (pf_key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, pf_key, pf_slot), kKeyBytes);
+              pf_slot = key_slot(prm, cx, pf_key + kTileN);
+            }
+          }
         }
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
