@@ -34,7 +34,10 @@ constexpr int kDimPe = KDTREE_HEAD_DIM_PE;       // 64
 constexpr int kDimQK = KDTREE_HEAD_DIM_QK;       // 576
 constexpr int kBlockM = 48;                      // query rows per work item
 constexpr int kTileN = 32;                       // keys per pipeline tile (4 n8 mma tiles, 2 k16 steps of P V)
-constexpr int kStages = 2;                       // key buffers: tile i computed while tile i+1 lands
+// Key buffers (template parameter Stages of the split kernel): tiles i+1 .. i+Stages-1 land while
+// tile i is computed. 2 fit sm_120's 99 KB; where a block may take more shared memory (sm_90:
+// 227 KB) the launcher picks 3, which hides one more tile of gather latency.
+constexpr int kMaxStages = 3;
 constexpr int kScoreWarps = kBlockM / 16;        // 3
 constexpr int kValueWarps = 8;
 constexpr int kValueCols = kDimNope / kValueWarps;  // 64 value columns per value warp
@@ -51,18 +54,12 @@ constexpr int kQRegDims = kQRegSteps * 16;                 // 384
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
-// Optional L2 prefetch of key rows kPrefetchTiles tiles ahead of the bulk copies. Measured on the
-// H200 (docs/PERF_LOG.md): 4, 8 and 16 tiles were all slower than none, so it is off (0).
-#ifndef KDTREE_PREFETCH_TILES
-#define KDTREE_PREFETCH_TILES 0
-#endif
-constexpr int kPrefetchTiles = KDTREE_PREFETCH_TILES;
 
 // Named barriers (0 is __syncthreads): the whole block, "P of buffer b is ready" (score warps
 // arrive, value warps wait) and the value warps among themselves (buffer consumed, may refill).
 constexpr int kBarBlock = 1;
-constexpr int kBarPFull = 2;   // + buffer index
-constexpr int kBarValues = 4;
+constexpr int kBarPFull = 2;   // + buffer index (kMaxStages ids)
+constexpr int kBarValues = kBarPFull + kMaxStages;
 
 static_assert(kBlockM % 16 == 0, "row tile is a whole number of m16 blocks");
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; the issuing warp copies one key per lane");
@@ -86,20 +83,22 @@ struct ReqPlan {
   long long partial_row;  // first partial row (only when nsplit > 1)
 };
 
+template <int Stages>
 struct SharedStorage {
-  __nv_bfloat16 kv[kStages][kTileN][kKvPitch];      // 74,752 B
+  __nv_bfloat16 kv[Stages][kTileN][kKvPitch];       // 37,376 B per stage
   __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 19,200 B: query columns [384, 576)
   // P tiles, [buffer][row][32 keys], 16-byte chunks XOR-swizzled by (row / 2) % 4 (no padding
   // needed: 8 rows of one logical chunk land in 8 distinct bank groups)
-  __nv_bfloat16 p[kStages][kBlockM][kTileN];        //  6,144 B
-  float alpha[kStages][kBlockM];                    //    384 B
+  __nv_bfloat16 p[Stages][kBlockM][kTileN];         //  3,072 B per stage
+  float alpha[Stages][kBlockM];                     //    192 B per stage
   float row_m[kBlockM];
   float row_l[kBlockM];
-  unsigned long long full[kStages];                 // mbarriers: the keys of buffer b have landed
+  unsigned long long full[Stages];                  // mbarriers: the keys of buffer b have landed
   int item;
 };
 // The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
-static_assert(sizeof(SharedStorage) <= 101376, "must fit sm_120's 99 KB per block");
+static_assert(sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
+static_assert(sizeof(SharedStorage<kMaxStages>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
 
 struct Params {
   const __nv_bfloat16* q_nope;
@@ -267,10 +266,6 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int by
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
-// Pull one key row into L2 ahead of its bulk copy (no shared memory, no completion to track).
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Named barriers: `count` threads take part; bar.arrive does not wait (producer side).
@@ -323,7 +318,8 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
 // announces the tile's bytes; copies may complete before that: the phase needs the arrival too.
 constexpr int kKeysPerWarp = kTileN / kValueWarps;   // 4
 static_assert(kTileN % kValueWarps == 0, "keys of a tile split evenly over the value warps");
-__device__ __forceinline__ void issue_tile(SharedStorage& sm, const Params& prm, const ItemCtx& cx, int t, int b,
+template <int Stages>
+__device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Params& prm, const ItemCtx& cx, int t, int b,
                                            int vw, int lane, long long slot) {
   if (vw == 0 && lane == 0) mbar_arrive_expect_tx(&sm.full[b], kTileN * kKeyBytes);
   if (lane < kKeysPerWarp) {
@@ -336,9 +332,17 @@ __device__ __forceinline__ void issue_tile(SharedStorage& sm, const Params& prm,
 // Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
 __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN + ((chunk ^ ((row >> 1) & 3)) << 3); }
 
+template <int Stages>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params prm) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+  // consumer Blackwell (99 KB per block): only the 2-stage kernel is ever launched there
+  if constexpr (Stages > 2) {
+    __trap();
+  } else
+#endif
+  {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+  SharedStorage<Stages>& sm = *reinterpret_cast<SharedStorage<Stages>*>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -351,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
 
   if (tid == 0) {
-    for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], 1);
+    for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], 1);
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
@@ -383,24 +387,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     }
     const int H = prm.heads;
 
-    // ---- prologue: tiles 0 and 1 on their way, query columns [384, 576) into shared memory ----
+    // ---- prologue: tiles 0 .. Stages-1 on their way, query columns [384, 576) into shared memory ----
     long long next_slot = -1;   // issuer lanes: slot id of the next tile to issue
-    long long pf_slot = -1;     // issuer lanes: slot id of the next tile to prefetch into L2
     if (vw >= 0) {
-      issue_tile(sm, prm, cx, 0, 0, vw, lane, issuer ? key_slot(prm, cx, cx.k0 + my_key) : -1);
-      if (cx.ntiles > 1) issue_tile(sm, prm, cx, 1, 1, vw, lane, issuer ? key_slot(prm, cx, cx.k0 + kTileN + my_key) : -1);
-    }
-    if (issuer) {
-      if (cx.ntiles > 2) next_slot = key_slot(prm, cx, cx.k0 + 2 * kTileN + my_key);
-      if constexpr (kPrefetchTiles > 0) {
 #pragma unroll
-        for (int t = 2; t < 2 + kPrefetchTiles; ++t) {
-          const int key = cx.k0 + t * kTileN + my_key;
-          if (key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, key, key_slot(prm, cx, key)), kKeyBytes);
-        }
-        pf_slot = key_slot(prm, cx, cx.k0 + (2 + kPrefetchTiles) * kTileN + my_key);
-      }
+      for (int t = 0; t < Stages; ++t)
+        if (t < cx.ntiles)
+          issue_tile(sm, prm, cx, t, t, vw, lane, issuer ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1);
     }
+    if (issuer && cx.ntiles > Stages) next_slot = key_slot(prm, cx, cx.k0 + Stages * kTileN + my_key);
     for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
       const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
       const int d = kQRegDims + ch * 8;   // query column
@@ -445,9 +440,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       float l_run[2] = {0.f, 0.f};
 
       for (int it = 0; it < cx.ntiles; ++it) {
-        const int b = it & 1;
-        // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile it-2):
-        // they refilled this buffer only after finishing it.
+        const int b = it % Stages;
+        // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile
+        // it-Stages): they refilled this buffer only after finishing it.
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
         phase_bits ^= 1u << b;
         if (active) {
@@ -577,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       float o[kScoreWarps][kValueCols / 8][4] = {};
 
       for (int it = 0; it < cx.ntiles; ++it) {
-        const int b = it & 1;
+        const int b = it % Stages;
         bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // already complete: acquires the keys' bytes
         phase_bits ^= 1u << b;
@@ -623,18 +618,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         }
 #endif
         // every value warp is done with buffer b (the score warps finished it before publishing P):
-        // refill it with tile it+2
+        // refill it with tile it+Stages
         bar_sync(kBarValues, kValueWarps * 32);
-        if (it + 2 < cx.ntiles) {
-          issue_tile(sm, prm, cx, it + 2, b, vw, lane, next_slot);
-          if (issuer) {
-            if (it + 3 < cx.ntiles) next_slot = key_slot(prm, cx, cx.k0 + (it + 3) * kTileN + my_key);
-            if constexpr (kPrefetchTiles > 0) {
-              const int pf_key = cx.k0 + (it + 2 + kPrefetchTiles) * kTileN + my_key;
-              if (pf_key < cx.k1) bulk_prefetch_l2(key_ptr(prm, cx, pf_key, pf_slot), kKeyBytes);
-              pf_slot = key_slot(prm, cx, pf_key + kTileN);
-            }
-          }
+        if (it + Stages < cx.ntiles) {
+          issue_tile(sm, prm, cx, it + Stages, b, vw, lane, next_slot);
+          if (issuer && it + Stages + 1 < cx.ntiles)
+            next_slot = key_slot(prm, cx, cx.k0 + (it + Stages + 1) * kTileN + my_key);
         }
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
@@ -664,6 +653,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       }
     }
     __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
+  }
   }
 }
 

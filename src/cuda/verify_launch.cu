@@ -2,6 +2,7 @@
 // Nothing here allocates, synchronises with the host, throws or prints.
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "kdtree_verify.h"
 #include "verify_kernel.cuh"
@@ -42,46 +43,63 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   return l;
 }
 
-// SM count and the one-time shared-memory opt-in, per device (benign race: idempotent values).
-int device_sms(int dev, int* status) {
-  static int sms[kMaxDevices];
+template <int Stages>
+cudaError_t configure_split(int* blocks) {
+  cudaError_t e = cudaFuncSetAttribute(kdtree::kdtree_verify_split_kernel<Stages>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)sizeof(kdtree::SharedStorage<Stages>));
+  if (e != cudaSuccess) return e;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kdtree::kdtree_verify_split_kernel<Stages>,
+                                                       kdtree::kThreads, sizeof(kdtree::SharedStorage<Stages>));
+}
+
+// Per device, once (benign race: idempotent values): SM count, the split kernel's pipeline depth
+// (3 stages where a block may take that much shared memory, else 2) and its shared-memory opt-in.
+struct DeviceInfo {
+  int sms;
+  int stages;
+};
+
+DeviceInfo device_info(int dev, int* status) {
+  static DeviceInfo info[kMaxDevices];
   static bool configured[kMaxDevices];
-  if (dev < 0 || dev >= kMaxDevices) { *status = KDTREE_ERR_NO_DEVICE; return 0; }
+  if (dev < 0 || dev >= kMaxDevices) { *status = KDTREE_ERR_NO_DEVICE; return {}; }
   if (!configured[dev]) {
-    int n = 0;
+    int n = 0, optin = 0;
     cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) { *status = (int)e; return 0; }
-    e = cudaFuncSetAttribute(kdtree::kdtree_verify_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)sizeof(kdtree::SharedStorage));
-    if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
-      cudaGetLastError();
-      *status = KDTREE_ERR_ARCH;
-      return 0;
-    }
-    if (e != cudaSuccess) { *status = (int)e; return 0; }
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) { *status = (int)e; return {}; }
+    int stages = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kdtree::kMaxStages : 2;
+    // KDTREE_SPLIT_STAGES=2 runs the sm_120 pipeline on a larger-smem GPU (to measure that code path)
+    const char* force = getenv("KDTREE_SPLIT_STAGES");
+    if (force && force[0] == '2' && force[1] == '\0') stages = 2;
     // registers and shared memory must admit one 352-thread block per SM (a build with a different
     // register cap would otherwise fail at every launch with a bare "too many resources")
     int blocks = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kdtree::kdtree_verify_split_kernel, kdtree::kThreads,
-                                                      sizeof(kdtree::SharedStorage));
-    if (e != cudaSuccess) { *status = (int)e; return 0; }
-    if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return 0; }
-    sms[dev] = n;
+    e = stages == 2 ? configure_split<2>(&blocks) : configure_split<kdtree::kMaxStages>(&blocks);
+    if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
+      cudaGetLastError();
+      *status = KDTREE_ERR_ARCH;
+      return {};
+    }
+    if (e != cudaSuccess) { *status = (int)e; return {}; }
+    if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return {}; }
+    info[dev] = DeviceInfo{n, stages};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
-  return sms[dev];
+  return info[dev];
 }
 
-int current_device_sms(int* status) {
+DeviceInfo current_device(int* status) {
   int dev = -1;
   const cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky "no device" error so later calls report afresh
     *status = e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ? KDTREE_ERR_NO_DEVICE : (int)e;
-    return 0;
+    return {};
   }
-  return device_sms(dev, status);
+  return device_info(dev, status);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -131,17 +149,18 @@ extern "C" {
 size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads) {
   if (batch_size < 1 || num_tokens < 1 || num_heads < 1 || num_heads > KDTREE_MAX_HEADS) return 0;
   int status = KDTREE_OK;
-  const int sms = current_device_sms(&status);
+  const DeviceInfo dev = current_device(&status);
   if (status != KDTREE_OK) return 0;
-  return workspace_layout(batch_size, num_tokens, num_heads, kSplitsPerSm * sms).total;
+  return workspace_layout(batch_size, num_tokens, num_heads, kSplitsPerSm * dev.sms).total;
 }
 
 int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   if (!p) return KDTREE_ERR_NULL_POINTER;
   int status = validate(p);
   if (status != KDTREE_OK) return status;
-  const int sms = current_device_sms(&status);
+  const DeviceInfo dev = current_device(&status);
   if (status != KDTREE_OK) return status;
+  const int sms = dev.sms;
   const int split_target = kSplitsPerSm * sms;
   const Layout lay = workspace_layout(p->batch_size, p->num_tokens, p->num_heads, split_target);
   if (p->workspace_bytes < lay.total) return KDTREE_ERR_WORKSPACE;
@@ -183,7 +202,11 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
 
   kdtree::kdtree_verify_plan_kernel<<<1, kdtree::kPlanThreads, 0, stream>>>(prm);
   KDTREE_TRY(cudaGetLastError());
-  kdtree::kdtree_verify_split_kernel<<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage), stream>>>(prm);
+  if (dev.stages == 2)
+    kdtree::kdtree_verify_split_kernel<2><<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>), stream>>>(prm);
+  else
+    kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>
+        <<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), stream>>>(prm);
   KDTREE_TRY(cudaGetLastError());
   kdtree::kdtree_verify_combine_kernel<<<p->num_tokens * p->num_heads, kdtree::kCombineThreads, 0, stream>>>(prm);
   KDTREE_TRY(cudaGetLastError());
@@ -199,7 +222,7 @@ int kdtree_pack_tree_mask(const uint8_t* custom_mask, const int64_t* mask_indptr
   if (out_words < 1 || out_words > KDTREE_MAX_MASK_WORDS) return KDTREE_ERR_MASK_WORDS;
   if (qo_indptr_dtype != KDTREE_INDEX_INT32 && qo_indptr_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
   int status = KDTREE_OK;
-  current_device_sms(&status);
+  current_device(&status);
   if (status != KDTREE_OK) return status;
   const long long n = (long long)num_tokens * out_words;
   const int threads = 128;
