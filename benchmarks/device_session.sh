@@ -34,6 +34,12 @@ if has bench; then
   log bench
   extra=""; has quick && extra="--quick"; has sglang || extra="$extra --no-sglang"
   python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
+  if has sglang; then python3 benchmarks/bench_sglang_layer.py --out "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log"; fi
+  if has sm120path; then
+    log "bench: the sm_120 pipeline (2 stages) on this GPU"
+    KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"
+    KDTREE_SPLIT_STAGES=2 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  fi
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
