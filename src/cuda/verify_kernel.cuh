@@ -58,8 +58,10 @@ constexpr int kMinChunk = 256;           // smallest split worth its partial-wri
 // Named barriers (0 is __syncthreads): the whole block, "P of buffer b is ready" (score warps
 // arrive, value warps wait) and the value warps among themselves (buffer consumed, may refill).
 constexpr int kBarBlock = 1;
-constexpr int kBarPFull = 2;   // + buffer index (kMaxStages ids)
-constexpr int kBarValues = kBarPFull + kMaxStages;
+constexpr int kBarPFull = 2;                       // + buffer index (kMaxStages ids)
+constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value warps done reading P/alpha[b]
+constexpr int kBarValues = kBarPEmpty + kMaxStages;
+static_assert(kBarValues < 16, "16 hardware named barriers");
 
 static_assert(kBlockM % 16 == 0, "row tile is a whole number of m16 blocks");
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; the issuing warp copies one key per lane");
@@ -445,6 +447,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         // it-Stages): they refilled this buffer only after finishing it.
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
         phase_bits ^= 1u << b;
+        // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
+        // finished with it (the refill is issued after), but that chain runs through the copy
+        // engine; this barrier states the order directly (and lets racecheck see it).
+        if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
         if (active) {
           float acc[4][4] = {};   // four n8 key tiles: four independent mma chains
 #ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
@@ -617,6 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           }
         }
 #endif
+        if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kThreads);   // P/alpha[b] free for tile it+Stages
         // every value warp is done with buffer b (the score warps finished it before publishing P):
         // refill it with tile it+Stages
         bar_sync(kBarValues, kValueWarps * 32);
