@@ -31,6 +31,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from kdtree.synthetic import random_tree_visibility
+
 from sglang_env import import_sglang
 
 KV_LORA_RANK = 512
@@ -133,19 +135,10 @@ def parallel_context(sg):
 
 
 def random_tree(n: int, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """``[n, n]`` bool visibility of a random draft tree over the first ``n - pad`` nodes:
-    node 0 is the root (the verified token), node i > 0 has a random parent < i, a node sees
-    itself and its ancestors. The last ``pad`` rows and columns are all False (DDTree padding)."""
-    live = n - pad
-    assert live >= 1
-    vis = torch.zeros(n, n, dtype=torch.bool)
-    parent = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, live)]
-    for i in range(live):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parent[j]
-    return vis
+    """``[n, n]`` bool visibility of a random draft tree (node 0 the root, parents before children,
+    a node sees itself and its ancestors); the last ``pad`` rows are all False (DDTree padding)."""
+    assert n - pad >= 1
+    return random_tree_visibility(n, "tree", generator, pad=pad)
 
 
 def make_backend(sg, pool, *, device, is_draft_runner=False, use_mla=True, enable_deterministic=False):

@@ -12,7 +12,7 @@ import kdtree
 from kdtree import (build_tree_mask, kv_cache_2d, split_mla_q, verify_attention, verify_attention_mla,
                     verify_attention_reference)
 from kdtree.__main__ import main as cli_main
-from kdtree.__main__ import make_verify_batch
+from kdtree.synthetic import make_verify_batch
 
 SM_SCALE = 0.1147
 # subprocesses import kdtree from where this process found it (the source tree or site-packages)
@@ -21,10 +21,11 @@ PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kdtree.__file__)))
 
 def batch_args(prefixes=(40, 0, 7), n=9, heads=3, seed=0):
     """verify_attention's positional arguments for a synthetic SGLang-layout batch (CPU)."""
-    b = make_verify_batch(list(prefixes), n, heads, seed=seed)
+    b = make_verify_batch(list(prefixes), heads, n, kind="tree", pad=min(2, n - 1), seed=seed, pool_factor=4,
+                          graph_tails=True)
     q_nope, q_pe = split_mla_q(b.q)
     tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, b.num_tokens, b.max_n)
-    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.key_buffer), kv_indptr=b.kv_indptr,
+    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.kv_buffer), kv_indptr=b.kv_indptr,
                 kv_indices=b.kv_indices, qo_indptr=b.qo_indptr, k_new=b.k[:, 0], tree_mask=tree,
                 sm_scale=SM_SCALE), b
 
@@ -112,18 +113,18 @@ def test_nan_in_unread_slots_never_leaks():
     out = call(args)
     assert torch.isfinite(out).all()
     # the same batch with the unused slots zeroed instead gives the same numbers
-    pool = b.key_buffer.clone()
+    pool = b.kv_buffer.clone()
     pool[pool.isnan()] = 0
     assert torch.equal(out, call(dict(args, kv_cache=kv_cache_2d(pool))))
     # and a NaN in a slot that IS read does show up (the poison is real)
-    pool = b.key_buffer.clone()
+    pool = b.kv_buffer.clone()
     pool[int(args["kv_indices"][3])] = float("nan")
     assert call(dict(args, kv_cache=kv_cache_2d(pool)))[:9].isnan().any()
 
 
 def test_verify_attention_mla_matches():
     args, b = batch_args((20, 5), 5, 2)
-    got = verify_attention_mla(b.q, b.k, b.key_buffer, b.kv_indptr, b.kv_indices, b.qo_indptr,
+    got = verify_attention_mla(b.q, b.k, b.kv_buffer, b.kv_indptr, b.kv_indices, b.qo_indptr,
                                args["tree_mask"], SM_SCALE)
     assert torch.equal(got, call(args))
 

@@ -18,7 +18,6 @@ import math
 import platform
 import sys
 import time
-from types import SimpleNamespace
 from typing import List, Optional
 
 import torch
@@ -27,10 +26,12 @@ from . import __version__, _ext
 from .layout import build_tree_mask, kv_cache_2d, split_mla_q
 from .ops import verify_attention
 from .reference import verify_attention_reference
+from .synthetic import make_verify_batch
 
 # bf16-level agreement: |out - ref| <= ATOL + RTOL * |ref| elementwise
 ATOL = 1e-2
 RTOL = 1e-2
+SM_SCALE = 0.1147   # a DeepSeek-V3-like layer.scaling (192**-0.5 times a yarn mscale)
 
 
 def _info(_args) -> int:
@@ -51,82 +52,15 @@ def _info(_args) -> int:
     return 0
 
 
-def random_tree_rows(n: int, num_padding: int, gen: torch.Generator) -> torch.Tensor:
-    """``[n, n]`` bool draft-visibility block of a random tree: node i > 0 gets a parent in [0, i)
-    (parents before children, as EAGLE and DDTree order them) and sees its ancestors and itself;
-    the last ``num_padding`` rows are all-False padding nodes (DDTree's unused budget)."""
-    vis = torch.zeros((n, n), dtype=torch.bool)
-    live = n - num_padding
-    for i in range(live):
-        if i > 0:
-            parent = int(torch.randint(0, i, (1,), generator=gen))
-            vis[i] = vis[parent]
-        vis[i, i] = True
-    return vis
-
-
-def make_verify_batch(prefix_lens: List[int], num_tokens: int, num_heads: int, seed: int = 0,
-                      pool_factor: int = 4) -> SimpleNamespace:
-    """A synthetic TARGET_VERIFY batch in SGLang's layout (CPU tensors, bfloat16 data).
-
-    Returns a namespace with SGLang's tensors (``q [T,H,576]``, ``k [T,1,576]``, ``key_buffer
-    [S,1,576]``, ``qo_indptr`` int32, ``kv_indptr`` int32, ``kv_indices`` int64 with a garbage tail,
-    ``custom_mask`` bool with a garbage tail, ``mask_indptr`` int64, ``max_n``) and ``sm_scale``.
-    Unused pool slots hold NaN.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    B, N, H = len(prefix_lens), num_tokens, num_heads
-    T = B * N
-    num_padding = min(2, N - 1)
-    S = pool_factor * (sum(prefix_lens) + T) + 1  # slot 0 is SGLang's dummy slot
-    slots = torch.randperm(S - 1, generator=gen) + 1
-    key_buffer = torch.full((S, 1, 576), float("nan"), dtype=torch.bfloat16)
-
-    kv_indices, blocks = [], []
-    offset = 0
-    for p in prefix_lens:
-        idx = slots[offset:offset + p]
-        offset += p
-        key_buffer[idx] = torch.randn((p, 1, 576), generator=gen).to(torch.bfloat16)
-        kv_indices.append(idx)
-        block = torch.zeros((N, p + N), dtype=torch.bool)
-        tree = random_tree_rows(N, num_padding, gen)
-        live = tree.any(dim=1)
-        block[:, :p] = live[:, None]  # padding rows are all-False, prefix columns too
-        block[:, p:] = tree
-        blocks.append(block.flatten())
-    # the drafts' own rows are also written to the pool (SGLang's set_kv_buffer at out_cache_loc)
-    k = torch.randn((T, 1, 576), generator=gen).to(torch.bfloat16)
-    key_buffer[slots[offset:offset + T]] = k
-
-    def indptr(lengths, dtype):
-        return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(dtype)
-
-    tail = torch.randint(0, S, (37,), generator=gen)  # graph buffers run past kv_indptr[B]
-    flat_mask = torch.cat(blocks + [torch.rand((1000,), generator=gen) < 0.5])
-    return SimpleNamespace(
-        q=torch.randn((T, H, 576), generator=gen).to(torch.bfloat16),
-        k=k,
-        key_buffer=key_buffer,
-        qo_indptr=indptr([N] * B, torch.int32),
-        kv_indptr=indptr(list(prefix_lens), torch.int32),
-        kv_indices=torch.cat(kv_indices + [tail]).to(torch.int64),
-        custom_mask=flat_mask,
-        mask_indptr=indptr([N * (p + N) for p in prefix_lens], torch.int64),
-        max_n=N,
-        num_tokens=T,
-        sm_scale=0.1147,
-    )
-
-
 def _check(args) -> int:
     if args.tokens < 1 or args.heads < 1 or args.batch < 1:
         print("check: --tokens, --heads and --batch must be >= 1", file=sys.stderr)
         return 2
     prefixes = [args.prefix[b % len(args.prefix)] for b in range(args.batch)]
-    batch = make_verify_batch(prefixes, args.tokens, args.heads, seed=args.seed)
+    batch = make_verify_batch(prefixes, args.heads, args.tokens, kind="tree", pad=min(2, args.tokens - 1),
+                              seed=args.seed, pool_factor=4, graph_tails=True, sm_scale=SM_SCALE)
     q_nope, q_pe = split_mla_q(batch.q)
-    kv_cache = kv_cache_2d(batch.key_buffer)
+    kv_cache = kv_cache_2d(batch.kv_buffer)
     k_new = batch.k[:, 0]
     tree_cpu = build_tree_mask(batch.custom_mask, batch.mask_indptr, batch.qo_indptr, batch.kv_indptr,
                                batch.num_tokens, batch.max_n)
@@ -144,12 +78,12 @@ def _check(args) -> int:
         dev = torch.device("cuda")
         print(f"path: CUDA kernel on {torch.cuda.get_device_name(dev)}")
         g = {name: getattr(batch, name).to(dev) for name in
-             ("q", "key_buffer", "k", "qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr")}
+             ("q", "kv_buffer", "k", "qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr")}
         tree = build_tree_mask(g["custom_mask"], g["mask_indptr"], g["qo_indptr"], g["kv_indptr"],
                                batch.num_tokens, batch.max_n)
         mask_ok = torch.equal(tree.cpu(), tree_cpu)
         gq_nope, gq_pe = split_mla_q(g["q"])
-        call_args = (gq_nope, gq_pe, kv_cache_2d(g["key_buffer"]), g["kv_indptr"], g["kv_indices"],
+        call_args = (gq_nope, gq_pe, kv_cache_2d(g["kv_buffer"]), g["kv_indptr"], g["kv_indices"],
                      g["qo_indptr"], g["k"][:, 0], tree, batch.sm_scale)
         out = verify_attention(*call_args)  # warm-up (also grows the workspace cache)
         torch.cuda.synchronize()

@@ -36,6 +36,10 @@ class VerifyBatch:
     def batch_size(self) -> int:
         return self.qo_indptr.numel() - 1
 
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
 
 def random_tree_visibility(n: int, kind: str, gen: torch.Generator, pad: int = 0) -> torch.Tensor:
     """[n, n] bool: row i sees draft j. kinds: 'tree' (random parents before children, node 0 the root),
@@ -76,11 +80,15 @@ def make_verify_batch(
     shuffle: bool = True,
     poison: bool = True,
     sm_scale: float = 192 ** -0.5,
+    graph_tails: bool = False,
 ) -> VerifyBatch:
     """Build one verify batch: ``len(prefixes)`` requests, each with ``num_tokens`` verify tokens.
 
     ``causal_none=True`` passes ``custom_mask=None`` (DFlash chains); otherwise SGLang's flat mask is
-    built from a random visibility of ``kind`` with ``pad`` all-False rows (prefix columns too)."""
+    built from a random visibility of ``kind`` with ``pad`` all-False rows (prefix columns too).
+    ``graph_tails=True`` lays ``kv_indices`` and ``custom_mask`` out as SGLang's CUDA-graph buffers
+    hold them: longer than the indptrs delimit, the tails garbage (slot ids that may name poisoned
+    slots, random mask bytes) that a correct consumer never reads."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)                 # trees (host)
     dgen = torch.Generator(device=dev).manual_seed(seed)      # tensors, drawn where they live
@@ -121,6 +129,10 @@ def make_verify_batch(
         blocks.append(block.flatten())
         mask_indptr.append(mask_indptr[-1] + n * (p + n))
     custom_mask = None if causal_none else torch.cat(blocks)
+    if graph_tails:
+        kv_indices = torch.cat([kv_indices, torch.randint(0, slots, (37,), generator=dgen, device=dev)])
+        if custom_mask is not None:
+            custom_mask = torch.cat([custom_mask, torch.rand((1000,), generator=gen) < 0.5])
     return VerifyBatch(
         q=q, k=k, kv_buffer=pool, kv_indptr=kv_indptr.to(dev),
         kv_indices=kv_indices, qo_indptr=qo_indptr.to(dev),
