@@ -18,17 +18,14 @@ fi
 if [ -f .carry/sglang/activate ]; then source .carry/sglang/activate; fi
 
 if has build; then
-  log build
-  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
-  t0=$(date +%s)
-  python3 -m pip install --no-build-isolation --no-deps -v . -C cmake.define.KDTREE_CUDA_ARCHS="$arch" \
-      -C cmake.define.KDTREE_PTXAS_VERBOSE=ON > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  log "build ok in $(( $(date +%s) - t0 )) s"; grep -E "registers|spill|smem" "$OUT/build.log" | sort -u | head -20
+  log "build (ci/build_gpu.sh)"
+  KDTREE_PTXAS_VERBOSE=ON bash ci/build_gpu.sh > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  grep -E "built and installed|registers|spill" "$OUT/build.log" | sort -u | head -20
   (cd /tmp && python3 -m kdtree info) || log "kdtree info failed"
 fi
 if has test; then
-  log "gpu tests"
-  python3 -m pytest -q -m gpu -p no:cacheprovider ${KDTREE_PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  log "gpu tests (ci/test_gpu.sh)"
+  bash ci/test_gpu.sh -q -p no:cacheprovider ${KDTREE_PYTEST_ARGS:-} 2>&1 | tail -25
 fi
 if has bench; then
   log bench
