@@ -113,7 +113,10 @@ typedef struct kdtree_verify_params {
 size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads);
 
 /* Validate, plan the split on the GPU, run the split-K pass and the combine on `stream`.
- * Returns KDTREE_OK or an error status; nothing is launched when validation fails. */
+ * Returns KDTREE_OK or an error status; nothing is launched when validation fails.
+ * The split pass uses a 3-stage key pipeline where a block may take that much shared memory
+ * (sm_90) and 2 stages elsewhere (sm_120's 99 KB); the environment variable KDTREE_SPLIT_STAGES=2,
+ * read once per device, forces the 2-stage (sm_120) pipeline for measurement. */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
 /* Build the compact tree mask from SGLang's flat custom_mask on `stream` (no host sync):
