@@ -7,13 +7,15 @@
 //   indices, then its N draft rows from k_new) are cut into splits of `chunk` keys; the plan kernel
 //   picks nsplit/chunk from the request's own length and row-tile count only (batch-invariant).
 //   A persistent grid (one CTA per SM) takes items from an atomic counter.
-// - One CTA = 11 warps, warp-specialised, one 2-stage software pipeline over 32-key tiles:
+// - One CTA = 11 warps, warp-specialised, a Stages-deep software pipeline over 32-key tiles
+//   (Stages = 3 on sm_90, 2 on sm_120):
 //     3 "score" warps: each owns 16 query rows; query columns [0, 384) live in registers as mma A
 //       fragments, [384, 576) in shared memory. For tile i they wait for its keys (mbarrier),
 //       compute S = Q K^T (4 independent n8 accumulators), run the online softmax and publish P (bf16)
 //       and the per-row rescale factor (named barrier, arrive only: they run ahead to tile i+1).
 //     8 "value" warps: each owns 64 of the 512 value columns for all 48 rows (96 fp32 accumulators)
-//       and computes O = alpha * O + P V for tile i, then refills tile i's buffer with tile i+2.
+//       and computes O = alpha * O + P V for tile i, then refills tile i's buffer with tile
+//       i+Stages (each value warp issues 4 of its 32 row copies).
 // - Keys arrive by cp.async.bulk: one 1152-byte bulk copy per key row (slot gathered, page size 1),
 //   32 per tile, completing on the buffer's mbarrier; rows are padded to 1168 B (conflict-free
 //   ldmatrix). Keys past the split end copy a zero row, so no smem row ever holds garbage.
@@ -55,8 +57,9 @@ constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
 
-// Named barriers (0 is __syncthreads): the whole block, "P of buffer b is ready" (score warps
-// arrive, value warps wait) and the value warps among themselves (buffer consumed, may refill).
+// Named barriers (0 is __syncthreads): the whole block; "P of buffer b is ready" (score warps
+// arrive, value warps wait); "P of buffer b is free again" (value warps arrive, score warps wait);
+// the value warps among themselves (key buffer consumed, may refill).
 constexpr int kBarBlock = 1;
 constexpr int kBarPFull = 2;                       // + buffer index (kMaxStages ids)
 constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value warps done reading P/alpha[b]
@@ -64,7 +67,7 @@ constexpr int kBarValues = kBarPEmpty + kMaxStages;
 static_assert(kBarValues < 16, "16 hardware named barriers");
 
 static_assert(kBlockM % 16 == 0, "row tile is a whole number of m16 blocks");
-static_assert(kTileN == 32, "score warps hold four n8 accumulators; the issuing warp copies one key per lane");
+static_assert(kTileN == 32, "score warps hold four n8 accumulators; P V takes two k16 steps per tile");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
 static_assert((kKvPitch * 2) % 16 == 0 && ((kKvPitch * 2) / 16) % 2 == 1,
               "key rows must stay 16 B aligned and an odd number of 16 B units apart (conflict-free ldmatrix)");
