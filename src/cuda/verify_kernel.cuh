@@ -500,7 +500,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
                   const int j = key - cx.rp.p;
                   const int r = wrow + g + half * 8;   // verify token of this row (-1: padding row)
                   const int n = r < cx.rows ? (cx.row0 + r) / H : -1;
-                  if (n < 0) {
+                  if (n < 0 || (prm.tree_mask && (j >> 6) >= prm.mask_words)) {
+                    // padding row; or a request longer than the mask's 64 * words columns (a caller
+                    // bug the host cannot see without a sync): never read past the mask row
                     vis = false;
                   } else if (prm.tree_mask) {
                     const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (j >> 6)];
