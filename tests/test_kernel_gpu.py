@@ -186,3 +186,16 @@ def test_cuda_graph_capture_and_replay():
     _check(out, args)
     eager = kdtree.verify_attention(**args)
     assert torch.equal(eager, out), "graph replay differs from eager"
+
+
+def test_tree_mask_narrower_than_the_drafts_is_never_read_past():
+    # 70 drafts but a 1-word (64-column) mask: the host cannot see N_b without a sync, so the kernel
+    # must treat drafts 64.. as invisible rather than read past the mask row (memory safety).
+    batch = make_verify_batch([500, 300], 4, 70, kind="deep", device="cuda", seed=31)
+    args = _inputs(batch)
+    wide = args["tree_mask"]                      # [T, 2] words
+    assert wide.shape[1] == 2
+    narrow = wide[:, :1].contiguous()
+    out = kdtree.verify_attention(**dict(args, tree_mask=narrow))
+    expect_args = dict(args, tree_mask=torch.stack([wide[:, 0], torch.zeros_like(wide[:, 1])], dim=1))
+    _check(out, expect_args)
