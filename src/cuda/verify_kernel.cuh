@@ -141,6 +141,19 @@ __device__ __forceinline__ long long load_index(const void* p, int is64, long lo
   return is64 ? reinterpret_cast<const long long*>(p)[i] : (long long)reinterpret_cast<const int*>(p)[i];
 }
 
+// The last request b in [0, batch) with start(b) <= x, for a nondecreasing start offset (its first
+// work item or its first verify token): the request that owns item / token x. A request with an
+// empty range shares its start with its successor, so it is never the one returned.
+template <typename Start>
+__device__ __forceinline__ int owning_request(int batch, long long x, Start start) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start(mid) <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans).
 // ---------------------------------------------------------------------------------------------
@@ -371,16 +384,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     const int item = sm.item;
     if (item >= total) return;
 
-    // ---- locate the item: the last request whose item range starts at or before it owns it
-    // (a request without items shares item_begin with its successor, so it is never the last) ----
     ItemCtx cx;
     {
-      int lo = 0, hi = prm.batch - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (prm.plan[mid].item_begin <= item) lo = mid; else hi = mid - 1;
-      }
-      cx.rp = prm.plan[lo];
+      cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
       const int local = item - cx.rp.item_begin;
       cx.split = local / cx.rp.mtiles;
       cx.mtile = local - cx.split * cx.rp.mtiles;
@@ -679,12 +685,7 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
   __shared__ float s_acc[kCombineGroups][kDimNope];
   const int gr = blockIdx.x;                 // global row = t * H + h
   const int t = gr / prm.heads, h = gr - t * prm.heads;
-  int lo = 0, hi = prm.batch - 1;
-  while (lo < hi) {  // the last request starting at or before t owns it (empty requests never do)
-    const int mid = (lo + hi + 1) >> 1;
-    if (prm.plan[mid].qo_begin <= t) lo = mid; else hi = mid - 1;
-  }
-  const ReqPlan rp = prm.plan[lo];
+  const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
   if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) return;
   const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
   const long long rstride = (long long)rp.n * prm.heads;
@@ -740,11 +741,7 @@ __global__ void kdtree_pack_tree_mask_kernel(const uint8_t* custom_mask, const i
   if (idx >= (long long)num_tokens * words) return;
   const int t = (int)(idx / words);
   const int w = (int)(idx - (long long)t * words);
-  int lo = 0, hi = batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (load_index(qo_indptr, qo64, mid) <= t) lo = mid; else hi = mid - 1;
-  }
+  const int lo = owning_request(batch, t, [&](int b) { return load_index(qo_indptr, qo64, b); });
   const long long qb = load_index(qo_indptr, qo64, lo);
   const long long qe = load_index(qo_indptr, qo64, lo + 1);
   uint64_t bits = 0;
