@@ -44,6 +44,7 @@ if has sanitize; then
       log "compute-sanitizer $tool $c"
       compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "$OUT/sanitize_${tool}_${c}.log" 2>&1
       echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "$OUT/sanitize_${tool}_${c}.log" | tr '\n' ' ')"
+      grep -E "Error|hazard|Race|at 0x" "$OUT/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
     done
   done
 fi
