@@ -156,13 +156,13 @@ def main():
     ap.add_argument("--out", default="bench.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sglang", action="store_true")
-    ap.add_argument("--only", default="", help="substring filter on shape names")
+    ap.add_argument("--only", default="", help="comma-separated substrings: keep shapes whose name has one")
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()
     recs = []
     for i, s in enumerate(shapes(args.quick)):
-        if args.only and args.only not in s["name"]:
+        if args.only and not any(o and o in s["name"] for o in args.only.split(",")):
             continue
         rec = run_shape(s, extend_fwd, seed=100 + i)
         recs.append(rec)

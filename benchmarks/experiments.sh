@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# Profiling aid: rebuild with one stage of the split kernel removed at a time and time H16 N9 P131072.
-# (KDTREE_EXP_* macros in verify_kernel.cuh; never set in a normal build.)
+# Profiling aid: rebuild with compile-time variants of the split kernel and time them.
+#   KDTREE_EXPERIMENTS="NONE LSU LSU+NO_SCORE_MMA" KDTREE_EXP_ONLY=P131072 KDTREE_EXP_TESTS=1 bash benchmarks/experiments.sh
+# A variant is NONE or names joined by "+": LSU (-DKDTREE_LSU_GATHER), BULK (-DKDTREE_BULK_GATHER), or a
+# KDTREE_EXP_* knock-out (NO_GATHER, NO_SCORE_MMA, NO_PV_MMA; never set in a normal build).
+# TRACE (-DKDTREE_EXP_TRACE) runs benchmarks/trace_case.py on KDTREE_TRACE_SHAPES instead of the benchmark.
+# KDTREE_EXP_TESTS=1 also runs the kernel's GPU tests on each variant.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
-# each variant: NONE, a KDTREE_EXP_* knock-out name, SKELETON (all three), or PF<n> (L2 prefetch distance n)
-for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA SKELETON}; do
-  flags=""; [ "$v" != NONE ] && flags="-DKDTREE_EXP_$v"
-  [ "$v" = SKELETON ] && flags="-DKDTREE_EXP_NO_GATHER -DKDTREE_EXP_NO_SCORE_MMA -DKDTREE_EXP_NO_PV_MMA"
-  [[ "$v" == PF* ]] && flags="-DKDTREE_PREFETCH_TILES=${v#PF}"
-  python3 -m pip install -q --no-build-isolation --no-deps . -C cmake.define.KDTREE_CUDA_ARCHS="$arch" \
+for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA}; do
+  flags=""
+  if [ "$v" != NONE ]; then
+    for part in ${v//+/ }; do
+      case "$part" in
+        LSU) flags="$flags -DKDTREE_LSU_GATHER" ;;
+        BULK) flags="$flags -DKDTREE_BULK_GATHER" ;;
+        *) flags="$flags -DKDTREE_EXP_$part" ;;
+      esac
+    done
+  fi
+  python3 -m pip install -q --no-build-isolation --no-deps . -C build-dir=build/exp -C cmake.define.KDTREE_CUDA_ARCHS="$arch" \
       -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > /tmp/exp_build.log 2>&1 || { tail -20 /tmp/exp_build.log; exit 1; }
-  echo "== $v"; python3 benchmarks/bench.py --no-sglang --quick --only "P131072" --out /tmp/exp.json 2>&1 | grep -v "^\[" 
+  echo "== $v ($flags)"
+  if [[ "$v" == *TRACE* ]]; then   # clock64 stamps per tile (printf): the last call's lines only
+    for shape in ${KDTREE_TRACE_SHAPES:-131072:9 131072:1}; do
+      python3 benchmarks/trace_case.py ${shape/:/ } 2>&1 | sed -n '/=== call 2/,$p' | grep -E "===|TRACE block 0" | head -${KDTREE_TRACE_LINES:-70}
+    done
+    continue
+  fi
+  python3 benchmarks/bench.py --no-sglang --quick --only "${KDTREE_EXP_ONLY:-P131072}" --out /tmp/exp.json 2>&1 | grep -v "^\["
+  if [ "${KDTREE_EXP_TESTS:-0}" = 1 ] && [[ "$v" != *NO_* ]]; then   # knock-outs fail the tests by design
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  fi
 done

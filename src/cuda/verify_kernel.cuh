@@ -26,6 +26,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#ifdef KDTREE_EXP_TRACE
+#include <cstdio>
+#endif
 
 #include "kdtree_verify.h"
 
@@ -100,9 +103,14 @@ struct SharedStorage {
   float row_l[kBlockM];
   unsigned long long full[Stages];                  // mbarriers: the keys of buffer b have landed
   int item;
+#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock64 stamps of score warp 0 and value warp 0
+  long long trace[64][8];
+#endif
 };
 // The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
+#ifndef KDTREE_EXP_TRACE
 static_assert(sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
+#endif
 static_assert(sizeof(SharedStorage<kMaxStages>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
 
 struct Params {
@@ -336,6 +344,38 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
 // announces the tile's bytes; copies may complete before that: the phase needs the arrival too.
 constexpr int kKeysPerWarp = kTileN / kValueWarps;   // 4
 static_assert(kTileN % kValueWarps == 0, "keys of a tile split evenly over the value warps");
+#ifdef KDTREE_LSU_GATHER
+// Gather through the load/store units instead: every value thread copies 16-byte pieces with
+// cp.async (the warp's 4 keys x 72 pieces = 9 per lane), then lets the buffer's mbarrier track
+// their completion (cp.async.mbarrier.arrive.noinc: the barrier expects all value threads).
+constexpr int kFullArrivals = kValueWarps * 32;
+constexpr int kPiecesPerKey = kKeyBytes / 16;                       // 72
+constexpr int kPiecesPerLane = kKeysPerWarp * kPiecesPerKey / 32;   // 9
+static_assert(kKeysPerWarp * kPiecesPerKey % 32 == 0, "a warp's pieces split evenly over its lanes");
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+template <int Stages>
+__device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Params& prm, const ItemCtx& cx, int t, int b,
+                                           int vw, int lane, long long slot) {
+  const int key0 = cx.k0 + t * kTileN + vw * kKeysPerWarp;
+  const __nv_bfloat16* mine = lane < kKeysPerWarp ? key_ptr(prm, cx, key0 + lane, slot) : prm.zero_row;
+#pragma unroll
+  for (int j = 0; j < kPiecesPerLane; ++j) {
+    const int q = lane + 32 * j;
+    const int k = q / kPiecesPerKey, piece = q - k * kPiecesPerKey;
+    const __nv_bfloat16* s =
+        reinterpret_cast<const __nv_bfloat16*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(mine), k));
+    cp_async_16(&sm.kv[b][vw * kKeysPerWarp + k][piece * 8], s + piece * 8, key0 + k < cx.k1 ? 16 : 0);
+  }
+  cp_async_arrive(&sm.full[b]);
+}
+#else
+constexpr int kFullArrivals = 1;
 template <int Stages>
 __device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Params& prm, const ItemCtx& cx, int t, int b,
                                            int vw, int lane, long long slot) {
@@ -346,9 +386,17 @@ __device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Para
     bulk_copy_g2s(&sm.kv[b][k][0], key_ptr(prm, cx, cx.k0 + t * kTileN + k, slot), kKeyBytes, &sm.full[b]);
   }
 }
+#endif
 
 // Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
 __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN + ((chunk ^ ((row >> 1) & 3)) << 3); }
+
+#ifdef KDTREE_EXP_TRACE
+#define KDTREE_TRACE(e) \
+  do { if (lane == 0 && it < 64) sm.trace[it][e] = clock64() - t_item; } while (0)
+#else
+#define KDTREE_TRACE(e) do { } while (0)
+#endif
 
 template <int Stages>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params prm) {
@@ -373,12 +421,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
 
   if (tid == 0) {
-    for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], 1);
+    for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], kFullArrivals);
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
 
   for (;;) {
+#ifdef KDTREE_EXP_TRACE
+    const long long t_fetch = clock64();
+#endif
     if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
     __syncthreads();
     const int item = sm.item;
@@ -421,6 +472,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       *reinterpret_cast<uint4*>(&sm.q_tail[r][ch * 8]) = v;
     }
     __syncthreads();
+#ifdef KDTREE_EXP_TRACE
+    const long long t_item = clock64();
+#endif
 
     if (warp < kScoreWarps) {
       // =========================== score warps ===========================
@@ -456,10 +510,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         // it-Stages): they refilled this buffer only after finishing it.
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
         phase_bits ^= 1u << b;
+        if (warp == 0) KDTREE_TRACE(0);
         // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
         // finished with it (the refill is issued after), but that chain runs through the copy
         // engine; this barrier states the order directly (and lets racecheck see it).
         if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
+        if (warp == 0) KDTREE_TRACE(1);
         if (active) {
           float acc[4][4] = {};   // four n8 key tiles: four independent mma chains
 #ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
@@ -489,6 +545,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           }
 #endif
 
+#ifdef KDTREE_EXP_TRACE
+          if (warp == 0) {   // stamp once the score product has landed in the accumulators
+            if (acc[0][0] == 12345.f && acc[3][3] == 12345.f) sm.row_m[0] = 0.f;
+            KDTREE_TRACE(2);
+          }
+#endif
           // ---- scale, mask, online softmax ----
           const int key0 = cx.k0 + it * kTileN;
           const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;  // all prefix: no mask
@@ -556,6 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           }
         }
         bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
+        if (warp == 0) KDTREE_TRACE(3);
       }
       // row statistics for the epilogue (l is a per-thread partial: reduce over the quad)
 #pragma unroll
@@ -593,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // already complete: acquires the keys' bytes
         phase_bits ^= 1u << b;
+        if (vw == 0) KDTREE_TRACE(4);
 #pragma unroll
         for (int rb = 0; rb < kScoreWarps; ++rb) {
           const float a0 = sm.alpha[b][rb * 16 + g];
@@ -634,15 +698,23 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           }
         }
 #endif
+#ifdef KDTREE_EXP_TRACE
+        if (vw == 0) {   // stamp once P V has landed in the accumulators
+          if (o[0][0][0] == 12345.f && o[0][7][3] == 12345.f) sm.row_l[0] = 0.f;
+          KDTREE_TRACE(5);
+        }
+#endif
         if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kThreads);   // P/alpha[b] free for tile it+Stages
         // every value warp is done with buffer b (the score warps finished it before publishing P):
         // refill it with tile it+Stages
         bar_sync(kBarValues, kValueWarps * 32);
+        if (vw == 0) KDTREE_TRACE(6);
         if (it + Stages < cx.ntiles) {
           issue_tile(sm, prm, cx, it + Stages, b, vw, lane, next_slot);
           if (issuer && it + Stages + 1 < cx.ntiles)
             next_slot = key_slot(prm, cx, cx.k0 + (it + Stages + 1) * kTileN + my_key);
         }
+        if (vw == 0) KDTREE_TRACE(7);
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
       const bool partial = cx.rp.nsplit > 1;
@@ -671,6 +743,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       }
     }
     __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
+#ifdef KDTREE_EXP_TRACE
+    if (tid == 0 && blockIdx.x < 2) {
+      printf("TRACE block %d item %d tiles %d prologue %lld total %lld\n", blockIdx.x, item, cx.ntiles,
+             t_item - t_fetch, clock64() - t_item);
+      for (int it = 0; it < min(cx.ntiles, 64); ++it)
+        printf("TRACE block %d item %d it %2d | %6lld %6lld %6lld %6lld | %6lld %6lld %6lld %6lld\n", blockIdx.x, item, it,
+               sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4], sm.trace[it][5],
+               sm.trace[it][6], sm.trace[it][7]);
+    }
+    __syncthreads();
+#endif
   }
   }
 }
