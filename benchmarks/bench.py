@@ -133,6 +133,8 @@ def environment():
     env = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                kdtree=kdtree.__version__)
+    from kdtree import _ext
+    env["split_kernel"] = _ext.load().split_kernel()
     try:
         import subprocess
         env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -160,6 +162,7 @@ def main():
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()
+    print(f"[bench] {env['gpu']}, split kernel {env['split_kernel']}", file=sys.stderr)
     recs = []
     for i, s in enumerate(shapes(args.quick)):
         if args.only and not any(o and o in s["name"] for o in args.only.split(",")):

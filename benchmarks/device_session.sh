@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
-#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [sglang]
+#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [sglang] [sm120path] [mmatests]
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
 set -uo pipefail
@@ -33,10 +33,15 @@ if has bench; then
   python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
   if has sglang; then python3 benchmarks/bench_sglang_layer.py --out "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log"; fi
   if has sm120path; then
-    log "bench: the sm_120 pipeline (2 stages) on this GPU"
-    KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"
-    KDTREE_SPLIT_STAGES=2 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+    log "bench: the sm_120 pipeline (mma.sync, 2 stages) on this GPU"
+    KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang $( has quick && echo --quick ) --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"
   fi
+fi
+if has mmatests; then   # the kernel tests on the mma.sync code paths (the sm_120 one and the 3-stage one)
+  log "kernel tests, KDTREE_SPLIT_STAGES=2 (the sm_120 pipeline)"
+  KDTREE_SPLIT_STAGES=2 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_SPLIT_KERNEL=mma (mma.sync, 3 stages)"
+  KDTREE_SPLIT_KERNEL=mma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
@@ -50,10 +55,11 @@ if has sanitize; then
 fi
 if has ncu; then
   log ncu
-  ncu --clock-control none --kernel-name regex:kdtree_verify_split --launch-skip 2 --launch-count 1 \
+  ncu --clock-control none --kernel-name regex:kdtree_verify_ --launch-skip 6 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats \
       --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__cycles_elapsed.avg \
       python3 benchmarks/bench.py --no-sglang --quick --only P131072 --out /tmp/ncu_bench.json > "$OUT/ncu.txt" 2>&1
-  grep -E "Duration|Issue Slots|stalled|inst_executed|hmma|wavefronts|cycles_elapsed" "$OUT/ncu.txt" | awk '$NF+0 > 0.05 || /Duration|inst|hmma|wave|cycles/' | head -40
+  grep -E "kdtree_verify_[a-z_]*kernel|Duration|Issue Slots|stalled|inst_executed|hmma|wavefronts|cycles_elapsed" "$OUT/ncu.txt" \
+    | awk '$NF+0 > 0.05 || /kernel|Duration|inst|hmma|wave|cycles/' | sed 's/(kdtree::Params).*//' | head -80
 fi
 log done

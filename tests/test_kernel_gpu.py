@@ -199,3 +199,22 @@ def test_tree_mask_narrower_than_the_drafts_is_never_read_past():
     out = kdtree.verify_attention(**dict(args, tree_mask=narrow))
     expect_args = dict(args, tree_mask=torch.stack([wide[:, 0], torch.zeros_like(wide[:, 1])], dim=1))
     _check(out, expect_args)
+
+
+def test_the_fastest_split_kernel_is_selected():
+    """sm_90 (built as sm_90a by default) runs the wgmma kernel, everything else mma.sync; the two
+    environment overrides select the mma.sync code paths (for measuring them on an H100/H200)."""
+    from kdtree import _ext
+
+    got = _ext.load().split_kernel()
+    cc = torch.cuda.get_device_capability()
+    if os.environ.get("KDTREE_SPLIT_STAGES") == "2":
+        assert got == "mma.sync-2stage"
+    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") != "mma":
+        assert got == "wgmma", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
+    elif cc == (9, 0):
+        assert got == "mma.sync-3stage"
+    elif cc[0] == 12:
+        assert got == "mma.sync-2stage"   # 99 KB of shared memory per block
+    else:
+        assert got.startswith("mma.sync")

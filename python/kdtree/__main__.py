@@ -47,6 +47,10 @@ def _info(_args) -> int:
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
             print(f"GPU {i}: {torch.cuda.get_device_name(i)} (sm_{major}{minor})")
+        try:
+            print(f"split kernel on GPU {torch.cuda.current_device()}: {_ext.load().split_kernel()}")
+        except (ImportError, RuntimeError) as exc:
+            print(f"split kernel: not available ({exc})")
     else:
         print("GPU: no GPU")
     return 0
@@ -76,7 +80,7 @@ def _check(args) -> int:
     mask_ok = True
     if use_gpu:
         dev = torch.device("cuda")
-        print(f"path: CUDA kernel on {torch.cuda.get_device_name(dev)}")
+        print(f"path: CUDA kernel ({_ext.load().split_kernel()}) on {torch.cuda.get_device_name(dev)}")
         g = {name: getattr(batch, name).to(dev) for name in
              ("q", "kv_buffer", "k", "qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr")}
         tree = build_tree_mask(g["custom_mask"], g["mask_indptr"], g["qo_indptr"], g["kv_indptr"],

@@ -114,10 +114,16 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
 
 /* Validate, plan the split on the GPU, run the split-K pass and the combine on `stream`.
  * Returns KDTREE_OK or an error status; nothing is launched when validation fails.
- * The split pass uses a 3-stage key pipeline where a block may take that much shared memory
- * (sm_90) and 2 stages elsewhere (sm_120's 99 KB); the environment variable KDTREE_SPLIT_STAGES=2,
- * read once per device, forces the 2-stage (sm_120) pipeline for measurement. */
+ * The split pass that runs (see kdtree_verify_split_kernel) is the wgmma kernel on compute
+ * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where
+ * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Read once per device:
+ * KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage (sm_120)
+ * pipeline, so that code path can be measured and tested on an H100/H200. */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
+
+/* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 90 (sm_90a
+ * wgmma), 3 or 2 (mma.sync with that many key stages). Returns KDTREE_OK or an error status. */
+int kdtree_verify_split_kernel(int* kernel);
 
 /* Build the compact tree mask from SGLang's flat custom_mask on `stream` (no host sync):
  *   custom_mask   [>= mask_indptr[B]] bytes (bool or uint8), request b's N_b x (P_b + N_b)

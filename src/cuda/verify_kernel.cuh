@@ -136,6 +136,8 @@ struct Params {
   int heads;
   float scale_log2;   // sm_scale * log2(e)
   int split_target;   // work items a long request is cut into (about 2 per SM)
+  int block_m;        // rows per work item of the split kernel that runs (48 mma.sync, 64 wgmma)
+  int tile_n;         // keys per pipeline tile of that kernel (32, 64): splits are whole tiles
   long long max_partial_rows;
   // workspace views
   int* counter;       // [2]: dynamic work counter, total items
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
       rp.p = max(ke - kb, 0);
       const int len = rp.p + rp.n;
       const int r = rp.n * prm.heads;
-      rp.mtiles = (r + kBlockM - 1) / kBlockM;
+      rp.mtiles = (r + prm.block_m - 1) / prm.block_m;
       int nsplit = 1;
       if (rp.mtiles > 0) {
         const int by_len = (len + kMinChunk - 1) / kMinChunk;
@@ -202,7 +204,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
         nsplit = max(1, min(by_len, by_fill));
       }
       int chunk = (len + nsplit - 1) / max(nsplit, 1);
-      chunk = max(kTileN, (chunk + kTileN - 1) / kTileN * kTileN);
+      chunk = max(prm.tile_n, (chunk + prm.tile_n - 1) / prm.tile_n * prm.tile_n);
       nsplit = len > 0 ? (len + chunk - 1) / chunk : 1;
       rp.nsplit = nsplit;
       rp.chunk = chunk;

@@ -3,9 +3,11 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kdtree_verify.h"
 #include "verify_kernel.cuh"
+#include "verify_wgmma.cuh"
 
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
@@ -28,10 +30,12 @@ struct Layout {
 };
 
 // A request with nsplit > 1 has nsplit <= split_target / mtiles, so it owns at most
-// split_target * kBlockM partial rows; a row needs at most split_target partials.
+// split_target * block_m partial rows (block_m of whichever split kernel runs, at most 64);
+// a row needs at most split_target partials.
+constexpr int kMaxBlockM = kdtree::kBlockM > kdtree::wg::kBlockM ? kdtree::kBlockM : kdtree::wg::kBlockM;
 Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
   Layout l;
-  const long long by_batch = (long long)batch * split_target * kdtree::kBlockM;
+  const long long by_batch = (long long)batch * split_target * kMaxBlockM;
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
@@ -53,30 +57,52 @@ cudaError_t configure_split(int* blocks) {
                                                        kdtree::kThreads, sizeof(kdtree::SharedStorage<Stages>));
 }
 
-// Per device, once (benign race: idempotent values): SM count, the split kernel's pipeline depth
-// (3 stages where a block may take that much shared memory, else 2) and its shared-memory opt-in.
+// Per device, once (benign race: idempotent values): SM count and the split kernel that runs there:
+// the wgmma kernel on compute capability 9.0 when the build carries sm_90a code, else the mma.sync
+// kernel with 3 stages where a block may take that much shared memory, 2 otherwise (sm_120).
+// KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the mma.sync kernel with
+// its sm_120 depth: to measure and test those code paths on an H100/H200.
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90 };
 struct DeviceInfo {
   int sms;
-  int stages;
+  int kernel;   // SplitKernel
 };
+
+cudaError_t configure_wgmma(int* blocks) {
+  cudaError_t e = cudaFuncSetAttribute(kdtree::wg::kdtree_verify_split_wgmma_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kdtree::wg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kdtree::wg::kdtree_verify_split_wgmma_kernel,
+                                                       kdtree::wg::kThreads, kdtree::wg::kSmemBytes);
+}
+
+bool env_is(const char* name, const char* value) {
+  const char* v = getenv(name);
+  return v && strcmp(v, value) == 0;
+}
 
 DeviceInfo device_info(int dev, int* status) {
   static DeviceInfo info[kMaxDevices];
   static bool configured[kMaxDevices];
   if (dev < 0 || dev >= kMaxDevices) { *status = KDTREE_ERR_NO_DEVICE; return {}; }
   if (!configured[dev]) {
-    int n = 0, optin = 0;
+    int n = 0, optin = 0, major = 0, minor = 0;
     cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) { *status = (int)e; return {}; }
-    int stages = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kdtree::kMaxStages : 2;
-    // KDTREE_SPLIT_STAGES=2 runs the sm_120 pipeline on a larger-smem GPU (to measure that code path)
-    const char* force = getenv("KDTREE_SPLIT_STAGES");
-    if (force && force[0] == '2' && force[1] == '\0') stages = 2;
-    // registers and shared memory must admit one 352-thread block per SM (a build with a different
-    // register cap would otherwise fail at every launch with a bare "too many resources")
+    int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kMma3 : kMma2;
+#ifdef KDTREE_HAVE_SM90A
+    if (major == 9 && minor == 0 && (size_t)optin >= kdtree::wg::kSmemBytes) kernel = kWgmma;
+#endif
+    if (env_is("KDTREE_SPLIT_KERNEL", "mma") && kernel == kWgmma) kernel = kMma3;
+    if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
+    // registers and shared memory must admit one block per SM (a build with a different register
+    // cap would otherwise fail at every launch with a bare "too many resources")
     int blocks = 0;
-    e = stages == 2 ? configure_split<2>(&blocks) : configure_split<kdtree::kMaxStages>(&blocks);
+    e = kernel == kWgmma ? configure_wgmma(&blocks)
+        : kernel == kMma2 ? configure_split<2>(&blocks) : configure_split<kdtree::kMaxStages>(&blocks);
     if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
       cudaGetLastError();
       *status = KDTREE_ERR_ARCH;
@@ -84,7 +110,7 @@ DeviceInfo device_info(int dev, int* status) {
     }
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return {}; }
-    info[dev] = DeviceInfo{n, stages};
+    info[dev] = DeviceInfo{n, kernel};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -154,6 +180,14 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
   return workspace_layout(batch_size, num_tokens, num_heads, kSplitsPerSm * dev.sms).total;
 }
 
+int kdtree_verify_split_kernel(int* kernel) {
+  if (!kernel) return KDTREE_ERR_NULL_POINTER;
+  int status = KDTREE_OK;
+  const DeviceInfo dev = current_device(&status);
+  if (status == KDTREE_OK) *kernel = dev.kernel;
+  return status;
+}
+
 int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   if (!p) return KDTREE_ERR_NULL_POINTER;
   int status = validate(p);
@@ -192,6 +226,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
+  prm.block_m = dev.kernel == kWgmma ? kdtree::wg::kBlockM : kdtree::kBlockM;
+  prm.tile_n = dev.kernel == kWgmma ? kdtree::wg::kTileN : kdtree::kTileN;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
@@ -202,7 +238,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
 
   kdtree::kdtree_verify_plan_kernel<<<1, kdtree::kPlanThreads, 0, stream>>>(prm);
   KDTREE_TRY(cudaGetLastError());
-  if (dev.stages == 2)
+  if (dev.kernel == kWgmma)
+    kdtree::wg::kdtree_verify_split_wgmma_kernel<<<sms, kdtree::wg::kThreads, kdtree::wg::kSmemBytes, stream>>>(prm);
+  else if (dev.kernel == kMma2)
     kdtree::kdtree_verify_split_kernel<2><<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>), stream>>>(prm);
   else
     kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>

@@ -65,6 +65,7 @@ cdef extern from "kdtree_verify.h" nogil:
                               void* stream)
     const char* kdtree_status_string(int status)
     const char* kdtree_compiled_archs()
+    int kdtree_verify_split_kernel(int* kernel)
 
 
 HEAD_DIM_NOPE = KDTREE_HEAD_DIM_NOPE
@@ -85,6 +86,16 @@ def status_string(status):
 def compiled_archs():
     """Compute capabilities this build carries machine code for, ascending: e.g. ``"90,120"``."""
     return kdtree_compiled_archs().decode("ascii")
+
+
+def split_kernel():
+    """The split kernel that runs on the current device: ``"wgmma"`` (sm_90a), ``"mma.sync-3stage"``
+    or ``"mma.sync-2stage"``. Raises KdtreeError when no device is usable."""
+    cdef int kernel = 0
+    cdef int status = kdtree_verify_split_kernel(&kernel)
+    if status != 0:
+        raise KdtreeError(status, "split_kernel")
+    return {90: "wgmma", 3: "mma.sync-3stage", 2: "mma.sync-2stage"}.get(kernel, str(kernel))
 
 
 class KdtreeError(RuntimeError):

@@ -1,0 +1,441 @@
+// verify_wgmma.cuh: the sm_90a split pass (wgmma), same work items, plan, partials and combine as the
+// mma.sync kernel in verify_kernel.cuh, which every other architecture (sm_120 included) runs.
+//
+// Design (numbers in docs/PERF_LOG.md):
+// - A work item is (request, split, 64-row tile): rows r = n * H + h as in the mma.sync kernel, but
+//   one wgmma M of 64 rows per item, and 32-key tiles.
+// - 3 warpgroups (168 registers each, one CTA per SM):
+//     WG0 "score": S = Q K^T as 36 wgmma m64n32k16 with both operands in shared memory (q is
+//       loaded once per item), then the online softmax in registers; P (bf16) and the per-row
+//       rescale go to shared memory.
+//     WG1, WG2 "value": each owns 256 of the 512 value columns for all 64 rows (128 fp32 per
+//       thread) and runs O = alpha * O + P V as 2 wgmma m64n256k16 (A = P, B = the same key tile read
+//       MN-major: V is the first 512 columns of the latent row). They also gather the keys.
+// - All shared operands use the 128-byte swizzled K-major layout: a matrix of R rows x 576 columns
+//   is 9 slabs of 64 columns, [slab][row][128 B], 16-byte chunk c of row r stored at c ^ (r % 8).
+// - Keys are gathered with cp.async, 16 bytes per copy, straight into that layout; 4 stages
+//   (144 KB). A value thread waits for its own copies of tile i+1 (cp.async.wait_group), fences
+//   them into the async proxy and arrives on the tile's mbarrier; the score warpgroup waits on it.
+#pragma once
+
+#include "verify_kernel.cuh"
+
+namespace kdtree {
+namespace wg {
+
+constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
+constexpr int kTileN = 32;                  // keys per pipeline tile
+constexpr int kStages = 4;
+constexpr int kThreads = 384;               // 3 warpgroups
+constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
+constexpr int kSlabs = kDimQK / kSlabDims;  // 9
+constexpr int kSlabBytes = kTileN * 128;    // 4,096: one 64-column slab of a key tile
+constexpr int kTileBytes = kSlabs * kSlabBytes;  // 36,864
+constexpr int kQSlabBytes = kBlockM * 128;  // 8,192: one 64-column slab of q
+constexpr int kChunksPerKey = kKeyBytes / 16;    // 72
+constexpr int kValueThreads = 256;
+constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
+constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9
+constexpr int kKSteps = kDimQK / 16;        // 36
+constexpr int kPvSteps = kTileN / 16;       // 2
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarBlock = 1;
+constexpr int kBarPFull = 2;    // score WG arrives, value WGs wait: P/alpha of the tile published
+constexpr int kBarPEmpty = 3;   // value WGs arrive, score WG waits: P/alpha free again
+constexpr int kBarValues = 4;   // the two value WGs: the key tile consumed, may refill
+constexpr int kBarScore = 5;    // the score WG: q of the item in shared memory
+
+static_assert(kKSteps * 16 == kDimQK && kTileN % 16 == 0, "whole k16 steps");
+static_assert(kThreadsPerKey == 8 && kChunksPerThread == kSlabs, "a gather thread copies one chunk per slab");
+
+struct Smem {
+  unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
+  unsigned char kv[kStages][kTileBytes];   // 147,456
+  unsigned char p[kBlockM * 128];          // P: [row][32 keys in a 128-byte row], swizzled (K-major A)
+  float alpha[kBlockM];
+  float row_m[kBlockM];
+  float row_l[kBlockM];
+  unsigned long long full[kStages];
+  int item;
+#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps (32-bit deltas) of warp 0 and warp 4
+  unsigned trace[32][8];
+#endif
+};
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
+static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+static_assert(kSlabBytes % 1024 == 0 && kQSlabBytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// D[64 x 32] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 32] (shared memory, K-major), fp32 accumulate.
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 256] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 256] (shared memory, MN-major), fp32 accumulate.
+__device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// Value thread vt gathers chunk vt % 8 of each of the 9 slabs of key vt / 8 of tile t into buffer b
+// (zero-fill past the split end), as one cp.async group (empty when t is past the last tile).
+__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
+                                            long long slot) {
+  if (t < cx.ntiles) {
+    const int kt = vt / kThreadsPerKey;
+    const int key = cx.k0 + t * kTileN + kt;
+    const bool valid = key < cx.k1;
+    const __nv_bfloat16* src = !valid ? prm.zero_row
+                               : key < cx.rp.p ? prm.kv + slot * prm.kv_ss
+                                               : prm.k_new + (long long)(cx.rp.qo_begin + key - cx.rp.p) * prm.k_new_st;
+    const uint32_t row = smem_u32(&sm.kv[b][0]) + kt * 128;
+    const int cc = vt % kThreadsPerKey;
+    const uint32_t dst = row + ((cc ^ (kt & 7)) << 4);
+#pragma unroll
+    for (int slab = 0; slab < kSlabs; ++slab)
+      cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
+__device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCtx& cx, int t, int vt) {
+  const int key = cx.k0 + t * kTileN + vt / kThreadsPerKey;
+  return t < cx.ntiles && key < cx.k1 && key < cx.rp.p
+             ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
+             : 0;
+}
+
+__device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
+  ItemCtx cx;
+  cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
+  const int local = item - cx.rp.item_begin;
+  cx.split = local / cx.rp.mtiles;
+  cx.mtile = local - cx.split * cx.rp.mtiles;
+  cx.row0 = cx.mtile * kBlockM;
+  cx.rows = min(kBlockM, cx.rp.n * prm.heads - cx.row0);
+  cx.k0 = cx.split * cx.rp.chunk;
+  cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
+  cx.ntiles = (cx.k1 - cx.k0 + kTileN - 1) / kTileN;
+  return cx;
+}
+
+#ifdef KDTREE_EXP_TRACE
+#define KDTREE_WTRACE(e) \
+  do { if (lane == 0 && it < 32) sm.trace[it][e] = (unsigned)(clock64() - t_item); } while (0)
+#else
+#define KDTREE_WTRACE(e) do { } while (0)
+#endif
+
+__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(Params prm) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // the swizzle atoms need a 1 KB aligned base (offset within the shared window, address space kept)
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  const int total = prm.counter[1];
+  const int H = prm.heads;
+
+  if (tid == 0) {
+    for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // =========================== score warpgroup ===========================
+    const int wrow = warp * 16;   // rows of this warp within the tile
+    uint32_t phase_bits = 0u;
+    for (;;) {
+      if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
+      __syncthreads();
+      const int item = sm.item;
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx(prm, item);
+
+      // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72
+      // chunks of 16 bytes over the 128 score threads
+      for (int i = tid; i < kBlockM * kChunksPerKey; i += 128) {
+        const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < cx.rows) {
+          const int rr = cx.row0 + r;
+          const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
+          const int d = ch * 8;
+          v = *reinterpret_cast<const uint4*>(d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                                                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope));
+        }
+        *reinterpret_cast<uint4*>(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]) = v;
+      }
+      fence_proxy_async();   // read next by wgmma (the async proxy)
+      bar_sync(kBarScore, 128);
+#ifdef KDTREE_EXP_TRACE
+      const long long t_item = clock64();
+#endif
+      float m_run[2] = {-INFINITY, -INFINITY};
+      float l_run[2] = {0.f, 0.f};
+
+      for (int it = 0; it < cx.ntiles; ++it) {
+        const int b = it % kStages;
+        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
+        phase_bits ^= 1u << b;
+        if (warp == 0) KDTREE_WTRACE(0);
+        float s[16];
+        {
+          const uint32_t qbase = smem_u32(&sm.q[0]);
+          const uint32_t kbase = smem_u32(&sm.kv[b][0]);
+          wg_fence();
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks) {
+            const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
+            const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
+            wgmma_m64n32k16_ss(s, da, db, ks > 0);
+          }
+          wg_commit();
+          wg_wait0();
+        }
+        if (warp == 0) KDTREE_WTRACE(1);
+        // ---- scale, mask, online softmax (thread: rows wrow+g (+8), keys 8j + 2c (+1)) ----
+        const int key0 = cx.k0 + it * kTileN;
+        const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int half = e >> 1;
+            float sc = s[4 * j + e] * prm.scale_log2;
+            if (!plain) {
+              const int key = key0 + j * 8 + 2 * c + (e & 1);
+              bool vis = key < cx.k1;
+              if (vis && key >= cx.rp.p) {
+                const int jj = key - cx.rp.p;
+                const int r = wrow + g + half * 8;
+                const int n = r < cx.rows ? (cx.row0 + r) / H : -1;
+                if (n < 0 || (prm.tree_mask && (jj >> 6) >= prm.mask_words)) {
+                  vis = false;   // padding row, or a draft column past the mask's 64 * words (never read)
+                } else if (prm.tree_mask) {
+                  const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (jj >> 6)];
+                  vis = (w >> (jj & 63)) & 1ull;
+                } else {
+                  vis = jj <= n;
+                }
+              }
+              if (!vis) sc = -INFINITY;
+            }
+            s[4 * j + e] = sc;
+            tmax[half] = fmaxf(tmax[half], sc);
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float m_new = fmaxf(m_run[half], tmax[half]);
+          m_use[half] = m_new == -INFINITY ? 0.f : m_new;
+          alpha[half] = fast_exp2(m_run[half] - m_use[half]);
+          m_run[half] = m_new;
+        }
+        if (warp == 0) KDTREE_WTRACE(2);
+        if (it > 0) bar_sync(kBarPEmpty, kThreads);   // the value WGs are done with the previous P
+        float psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float p0 = fast_exp2(s[4 * j + 2 * half] - m_use[half]);
+            const float p1 = fast_exp2(s[4 * j + 2 * half + 1] - m_use[half]);
+            psum[half] += p0 + p1;
+            const int row = wrow + g + half * 8;
+            *reinterpret_cast<uint32_t*>(&sm.p[row * 128 + ((j ^ (row & 7)) << 4) + 4 * c]) = pack_bf16(p0, p1);
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+        if (c == 0) {
+          sm.alpha[wrow + g] = alpha[0];
+          sm.alpha[wrow + g + 8] = alpha[1];
+        }
+        fence_proxy_async();   // P is read next by wgmma (the async proxy)
+        bar_arrive(kBarPFull, kThreads);
+        if (warp == 0) KDTREE_WTRACE(3);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+      }
+      if (c == 0) {
+        sm.row_m[wrow + g] = m_run[0];
+        sm.row_m[wrow + g + 8] = m_run[1];
+        sm.row_l[wrow + g] = l_run[0];
+        sm.row_l[wrow + g + 8] = l_run[1];
+      }
+      bar_sync(kBarBlock, kThreads);
+      if (cx.rp.nsplit > 1 && c == 0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wrow + g + half * 8;
+          if (r < cx.rows) {
+            const float l = l_run[half];
+            const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
+            prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
+          }
+        }
+      }
+      __syncthreads();   // the item's shared memory is consumed before the next item starts
+#ifdef KDTREE_EXP_TRACE
+      if (tid == 0 && blockIdx.x < 2) {
+        printf("TRACE block %d item %d tiles %d total %lld\n", blockIdx.x, item, cx.ntiles, clock64() - t_item);
+        for (int it = 0; it < min(cx.ntiles, 32); ++it)
+          printf("TRACE block %d item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u\n", blockIdx.x, item, it,
+                 sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4],
+                 sm.trace[it][5], sm.trace[it][6], sm.trace[it][7]);
+      }
+      __syncthreads();
+#endif
+    }
+  } else {
+    // =========================== value warpgroups ===========================
+    const int vt = tid - 128;           // 0..255
+    const int v = vt >> 7;              // value warpgroup: columns [256 v, 256 v + 256)
+    const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
+    for (;;) {
+      __syncthreads();   // pairs with the score WG's item fetch
+      const int item = sm.item;
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx(prm, item);
+
+      // prologue: tiles 0 .. kStages-1 on their way, one cp.async group each; tile 0 announced
+      long long slot = gather_slot(prm, cx, 0, vt);
+#pragma unroll
+      for (int t = 0; t < kStages; ++t) {
+        const long long next = gather_slot(prm, cx, t + 1, vt);
+        gather_tile(sm, prm, cx, t, t, vt, slot);
+        slot = next;
+      }
+      cp_async_wait<kStages - 1>();
+      fence_proxy_async();
+      mbar_arrive(&sm.full[0]);
+#ifdef KDTREE_EXP_TRACE
+      const long long t_item = clock64();   // (a little later than the score WG's origin)
+#endif
+
+      float o[128];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) o[i] = 0.f;
+
+      for (int it = 0; it < cx.ntiles; ++it) {
+        const int b = it % kStages;
+        if (it + 1 < cx.ntiles) {   // announce tile it+1 (issued kStages-1 tiles ago)
+          cp_async_wait<kStages - 2>();
+          fence_proxy_async();
+          mbar_arrive(&sm.full[(it + 1) % kStages]);
+        }
+        if (warp == 4) KDTREE_WTRACE(4);
+        bar_sync(kBarPFull, kThreads);
+        if (warp == 4) KDTREE_WTRACE(5);
+        {
+          const float a0 = sm.alpha[wrow + g];
+          const float a1 = sm.alpha[wrow + g + 8];
+          if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+              o[4 * j] *= a0;
+              o[4 * j + 1] *= a0;
+              o[4 * j + 2] *= a1;
+              o[4 * j + 3] *= a1;
+            }
+          }
+        }
+        {
+          const uint32_t pbase = smem_u32(&sm.p[0]);
+          const uint32_t vbase = smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes;
+          wg_fence();
+#pragma unroll
+          for (int kk = 0; kk < kPvSteps; ++kk) {
+            const uint64_t da = desc_sw128(pbase + kk * 32, 16, 1024);
+            const uint64_t db = desc_sw128(vbase + kk * 16 * 128, kSlabBytes, 1024);
+            wgmma_m64n256k16_ss_bt(o, da, db, 1);
+          }
+          wg_commit();
+          wg_wait0();
+        }
+        if (warp == 4) KDTREE_WTRACE(6);
+        if (it + 1 < cx.ntiles) bar_arrive(kBarPEmpty, kThreads);
+        bar_sync(kBarValues, kValueThreads);   // both value WGs are done with buffer b
+        const long long next = gather_slot(prm, cx, it + kStages + 1, vt);
+        gather_tile(sm, prm, cx, it + kStages, b, vt, slot);
+        slot = next;
+        if (warp == 4) KDTREE_WTRACE(7);
+      }
+      cp_async_wait<0>();   // nothing of this item may land after the next item starts
+      bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG
+      const bool partial = cx.rp.nsplit > 1;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wrow + g + half * 8;
+        if (r < cx.rows) {
+          const float l = sm.row_l[r];
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          const int rr = cx.row0 + r;
+          __nv_bfloat16* dst;
+          if (partial) {
+            dst = prm.partial_o + (cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + rr) * kDimNope;
+          } else {
+            const int n = rr / H, h = rr - n * H;
+            dst = prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
+          }
+          dst += 256 * v;
+#pragma unroll
+          for (int j = 0; j < 32; ++j)
+            *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * c) = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+        }
+      }
+      __syncthreads();
+#ifdef KDTREE_EXP_TRACE
+      __syncthreads();   // pairs with the score WG's print barrier
+#endif
+    }
+  }
+#else
+  __trap();   // built without sm_90a: the launcher never selects this kernel
+#endif
+}
+
+}  // namespace wg
+}  // namespace kdtree
