@@ -37,6 +37,11 @@ constexpr int kValueThreads = 256;
 constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
 constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9
 constexpr int kKSteps = kDimQK / 16;        // 36
+#ifndef KDTREE_WG_SCHAINS
+#define KDTREE_WG_SCHAINS 1
+#endif
+constexpr int kSChains = KDTREE_WG_SCHAINS;   // independent S accumulators
+static_assert(kKSteps % kSChains == 0, "k-steps split evenly over the S chains");
 constexpr int kPvSteps = kTileN / 16;       // 2
 
 // Named barriers (0 is __syncthreads).
@@ -212,6 +217,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         if (warp == 0) KDTREE_WTRACE(0);
         float s[16];
         {
+          // kSChains independent accumulators (k-steps interleaved): consecutive wgmma do not wait
+          // for each other's result, then the chains are summed
+          float sc[kSChains][16];
           const uint32_t qbase = smem_u32(&sm.q[0]);
           const uint32_t kbase = smem_u32(&sm.kv[b][0]);
           wg_fence();
@@ -219,10 +227,16 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           for (int ks = 0; ks < kKSteps; ++ks) {
             const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
             const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
-            wgmma_m64n32k16_ss(s, da, db, ks > 0);
+            wgmma_m64n32k16_ss(sc[ks % kSChains], da, db, ks >= kSChains);
           }
           wg_commit();
           wg_wait0();
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            s[i] = sc[0][i];
+#pragma unroll
+            for (int ch = 1; ch < kSChains; ++ch) s[i] += sc[ch][i];
+          }
         }
         if (warp == 0) KDTREE_WTRACE(1);
         // ---- scale, mask, online softmax (thread: rows wrow+g (+8), keys 8j + 2c (+1)) ----
