@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
-#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [sglang] [sm120path] [mmatests]
+#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [sglang] [layer] [sm120path] [mmatests]
+# (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
 set -uo pipefail
@@ -31,7 +32,7 @@ if has bench; then
   log bench
   extra=""; has quick && extra="--quick"; has sglang || extra="$extra --no-sglang"
   python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
-  if has sglang; then python3 benchmarks/bench_sglang_layer.py --out "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log"; fi
+  if has layer; then python3 benchmarks/bench_sglang_layer.py --out "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log"; fi
   if has sm120path; then
     log "bench: the sm_120 pipeline (mma.sync, 2 stages) on this GPU"
     KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang $( has quick && echo --quick ) --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"

@@ -37,11 +37,6 @@ constexpr int kValueThreads = 256;
 constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
 constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9
 constexpr int kKSteps = kDimQK / 16;        // 36
-#ifndef KDTREE_WG_SCHAINS
-#define KDTREE_WG_SCHAINS 1
-#endif
-constexpr int kSChains = KDTREE_WG_SCHAINS;   // independent S accumulators
-static_assert(kKSteps % kSChains == 0, "k-steps split evenly over the S chains");
 constexpr int kPvSteps = kTileN / 16;       // 2
 
 // Named barriers (0 is __syncthreads).
@@ -217,26 +212,22 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         if (warp == 0) KDTREE_WTRACE(0);
         float s[16];
         {
-          // kSChains independent accumulators (k-steps interleaved): consecutive wgmma do not wait
-          // for each other's result, then the chains are summed
-          float sc[kSChains][16];
           const uint32_t qbase = smem_u32(&sm.q[0]);
           const uint32_t kbase = smem_u32(&sm.kv[b][0]);
           wg_fence();
+#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
+#pragma unroll
+          for (int ks = 0; ks < 1; ++ks) {
+#else
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
+#endif
             const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
             const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
-            wgmma_m64n32k16_ss(sc[ks % kSChains], da, db, ks >= kSChains);
+            wgmma_m64n32k16_ss(s, da, db, ks > 0);
           }
           wg_commit();
           wg_wait0();
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            s[i] = sc[0][i];
-#pragma unroll
-            for (int ch = 1; ch < kSChains; ++ch) s[i] += sc[ch][i];
-          }
         }
         if (warp == 0) KDTREE_WTRACE(1);
         // ---- scale, mask, online softmax (thread: rows wrow+g (+8), keys 8j + 2c (+1)) ----
@@ -400,12 +391,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           const uint32_t pbase = smem_u32(&sm.p[0]);
           const uint32_t vbase = smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes;
           wg_fence();
+#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
             const uint64_t da = desc_sw128(pbase + kk * 32, 16, 1024);
             const uint64_t db = desc_sw128(vbase + kk * 16 * 128, kSlabBytes, 1024);
             wgmma_m64n256k16_ss_bt(o, da, db, 1);
           }
+#endif
           wg_commit();
           wg_wait0();
         }
