@@ -1,24 +1,26 @@
 """Turn benchmark JSON (benchmarks/bench.py, bench_sglang_layer.py) into the committed Markdown table
 and the PNG plot of time against prefix length.
 
-    python benchmarks/report.py benchmarks/results/h200_2026-11-29.json \
+    python benchmarks/report.py benchmarks/results/h200_2026-11-29_wgmma.json \
         [--layer benchmarks/results/h200_2026-11-29_forward_extend.json] \
-        [--sm120 benchmarks/results/h200_2026-11-29_sm120path.json] --md out.md --png out.png
+        [--alt benchmarks/results/h200_2026-11-29.json --alt-label "mma.sync 3-stage us"] --md out.md --png out.png
+--alt adds a column of graph-replay times from another run of bench.py (another kernel, another path).
 Needs matplotlib only for --png.
 """
 import argparse
 import json
 
 
-def table(d, sm120=None):
+def table(d, other=None, other_label="2-stage (sm_120 path) us"):
     env = d["env"]
-    alt = {r["name"]: r for r in (sm120["results"] if sm120 else [])}
+    alt = {r["name"]: r for r in (other["results"] if other else [])}
     lines = [
         f"Device: {env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
-        f"triton {env['triton']}, sglang {env['sglang']}, kdtree {env['kdtree']}, {env['date']}.",
+        f"triton {env['triton']}, sglang {env['sglang']}, kdtree {env['kdtree']}, {env['date']}"
+        + (f", split kernel {env['split_kernel']}" if "split_kernel" in env else "") + ".",
         "",
         "| shape | kdtree us (eager) | kdtree us (graph) | KV GB/s | TFLOP/s | floor us | % of floor "
-        "| SGLang Triton us | speed-up | rel. diff vs SGLang |" + (" 2-stage (sm_120 path) us |" if alt else ""),
+        "| SGLang Triton us | speed-up | rel. diff vs SGLang |" + (f" {other_label} |" if alt else ""),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if alt else ""),
     ]
     for r in d["results"]:
@@ -54,7 +56,8 @@ def plot(d, path):
     rows.sort(key=lambda r: r["prefixes"][0])
     x = [r["prefixes"][0] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(x, [r["kdtree_graph_us"] for r in rows], "o-", label="kdtree (graph replay)")
+    kernel = f", {d['env']['split_kernel']}" if "split_kernel" in d["env"] else ""
+    ax.plot(x, [r["kdtree_graph_us"] for r in rows], "o-", label=f"kdtree (graph replay{kernel})")
     if all("sglang_us" in r for r in rows):
         ax.plot(x, [r["sglang_us"] for r in rows], "s-", label="SGLang Triton extend_attention_fwd")
     ax.plot(x, [r["floor_us"] for r in rows], "k--", label="floor (4.23 TB/s, 773 TFLOP/s)")
@@ -74,13 +77,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("bench")
     ap.add_argument("--layer")
-    ap.add_argument("--sm120")
+    ap.add_argument("--alt", "--sm120", dest="alt", help="another bench.py JSON: one more column")
+    ap.add_argument("--alt-label", default="2-stage (sm_120 path) us")
     ap.add_argument("--md")
     ap.add_argument("--png")
     a = ap.parse_args()
     d = json.load(open(a.bench))
-    sm120 = json.load(open(a.sm120)) if a.sm120 else None
-    text = table(d, sm120)
+    other = json.load(open(a.alt)) if a.alt else None
+    text = table(d, other, a.alt_label)
     if a.layer:
         text += "\n\n" + layer_table(json.load(open(a.layer)))
     if a.md:

@@ -165,6 +165,7 @@ attempt("launch_null", v.launch, **dict(args, q_nope=0))
 attempt("pack", v.pack_tree_mask, custom_mask=args["q_nope"], mask_indptr=args["kv_indptr"],
         qo_indptr=args["qo_indptr"], qo_indptr_dtype=0, kv_indptr=args["kv_indptr"], batch_size=1,
         num_tokens=1, out=args["out"], out_words=1, stream=0)
+attempt("split_kernel", v.split_kernel)
 print(json.dumps(out))
 """
 
@@ -183,4 +184,5 @@ def test_without_a_gpu_calls_raise_kdtree_error():
     assert result["launch"][:2] == ["KdtreeError", no_device], result
     assert result["launch_null"][0] == "KdtreeError" and result["launch_null"][1] in (null_pointer, no_device), result
     assert result["pack"][:2] == ["KdtreeError", no_device], result
+    assert result["split_kernel"][:2] == ["KdtreeError", no_device], result
     assert _verify.status_string(no_device) in result["launch"][2]

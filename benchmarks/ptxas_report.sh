@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Writes docs/ptxas_resources.txt: registers, spills and shared memory of every kernel, for the
+# default architectures (sm_90a, sm_120), from the compiler alone (no GPU needed).
+#   bash benchmarks/ptxas_report.sh > docs/ptxas_resources.txt
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for arch in 90a 120; do
+  defs=""; [ "$arch" = 90a ] && defs="-DKDTREE_HAVE_SM90A=1"
+  echo "=== sm_$arch: $(nvcc --version | tail -1 | sed 's/Build //'), -O3 -Xptxas -v (src/cuda/verify_launch.cu, $rev)"
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr $defs -gencode "arch=compute_$arch,code=sm_$arch" -Isrc/cuda \
+       -c src/cuda/verify_launch.cu -o "$tmp/x.o" -Xptxas -v 2>&1 \
+    | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
+    | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])EEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages>/; \
+              s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
+              s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
+              s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
+              s/_ZN6kdtree25kdtree_verify_plan_kernelENS_6ParamsE/kdtree_verify_plan_kernel/"
+  echo
+done
+cat > "$tmp/sz.cu" <<'CU'
+#include <cstdio>
+#include "verify_wgmma.cuh"
+int main() {
+  printf("dynamic shared memory per block: mma.sync 2 stages %zu B (sm_120 limit 101376), 3 stages %zu B, "
+         "wgmma %zu B (sm_90 limit 232448)\n", sizeof(kdtree::SharedStorage<2>), sizeof(kdtree::SharedStorage<3>),
+         kdtree::wg::kSmemBytes);
+}
+CU
+nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
+echo "On sm_120 only kdtree_verify_split_kernel<2 stages> runs; the wgmma kernel there is a __trap() stub."
