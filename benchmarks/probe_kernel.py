@@ -9,7 +9,6 @@ import torch
 
 import kdtree
 from kdtree import _ext
-from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
 from kdtree.reference import verify_attention_reference
 from kdtree.synthetic import make_verify_batch
 
@@ -18,11 +17,7 @@ print("split kernel:", _ext.load().split_kernel())
 
 def run(prefixes, heads, n, seed=0):
     b = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=seed)
-    q_nope, q_pe = split_mla_q(b.q)
-    t = b.q.shape[0]
-    tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
-    args = dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.kv_buffer), kv_indptr=b.kv_indptr,
-                kv_indices=b.kv_indices, qo_indptr=b.qo_indptr, k_new=b.k[:, 0], tree_mask=tree, sm_scale=b.sm_scale)
+    args = b.verify_args()
     out = kdtree.verify_attention(**args)
     torch.cuda.synchronize()
     ref = verify_attention_reference(**args)

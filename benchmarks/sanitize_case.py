@@ -9,18 +9,13 @@ import sys
 import torch
 
 import kdtree
-from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
 from kdtree.reference import verify_attention_reference
 from kdtree.synthetic import make_verify_batch
 
 case = sys.argv[1] if len(sys.argv) > 1 else "small"
 prefixes = {"small": [40, 0], "split": [3000, 70]}[case]
 b = make_verify_batch(prefixes, 16, 9, kind="tree", pad=2, device="cuda", seed=1)
-q_nope, q_pe = split_mla_q(b.q)
-t = b.q.shape[0]
-tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
-args = dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.kv_buffer), kv_indptr=b.kv_indptr,
-            kv_indices=b.kv_indices, qo_indptr=b.qo_indptr, k_new=b.k[:, 0], tree_mask=tree, sm_scale=b.sm_scale)
+args = b.verify_args()
 out = kdtree.verify_attention(**args)
 torch.cuda.synchronize()
 ref = verify_attention_reference(**args)

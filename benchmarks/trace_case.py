@@ -11,17 +11,12 @@ import sys
 import torch
 
 import kdtree
-from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
 from kdtree.synthetic import make_verify_batch
 
 p = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 9
 b = make_verify_batch([p], 16, n, kind="tree", device="cuda", seed=3, min_pool_slots=262_144, poison=False)
-q_nope, q_pe = split_mla_q(b.q)
-t = b.q.shape[0]
-tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
-args = dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.kv_buffer), kv_indptr=b.kv_indptr,
-            kv_indices=b.kv_indices, qo_indptr=b.qo_indptr, k_new=b.k[:, 0], tree_mask=tree, sm_scale=b.sm_scale)
+args = b.verify_args()
 for i in range(3):
     print(f"=== call {i} P={p} N={n}", flush=True)
     kdtree.verify_attention(**args)

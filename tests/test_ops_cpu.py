@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kdtree
-from kdtree import (build_tree_mask, kv_cache_2d, split_mla_q, verify_attention, verify_attention_mla,
+from kdtree import (kv_cache_2d, verify_attention, verify_attention_mla,
                     verify_attention_reference)
 from kdtree.__main__ import main as cli_main
 from kdtree.synthetic import make_verify_batch
@@ -23,11 +23,7 @@ def batch_args(prefixes=(40, 0, 7), n=9, heads=3, seed=0):
     """verify_attention's positional arguments for a synthetic SGLang-layout batch (CPU)."""
     b = make_verify_batch(list(prefixes), heads, n, kind="tree", pad=min(2, n - 1), seed=seed, pool_factor=4,
                           graph_tails=True)
-    q_nope, q_pe = split_mla_q(b.q)
-    tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, b.num_tokens, b.max_n)
-    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(b.kv_buffer), kv_indptr=b.kv_indptr,
-                kv_indices=b.kv_indices, qo_indptr=b.qo_indptr, k_new=b.k[:, 0], tree_mask=tree,
-                sm_scale=SM_SCALE), b
+    return dict(b.verify_args(), sm_scale=SM_SCALE), b
 
 
 def call(args, **kw):

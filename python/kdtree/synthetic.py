@@ -40,6 +40,18 @@ class VerifyBatch:
     def num_tokens(self) -> int:
         return self.q.shape[0]
 
+    def verify_args(self) -> dict:
+        """Keyword arguments of ``kdtree.verify_attention`` (and of the reference) for this batch: q
+        split into nope/pe, the pool viewed as [slots, 576], the tree mask rebuilt from custom_mask."""
+        from .layout import build_tree_mask, kv_cache_2d, split_mla_q
+
+        q_nope, q_pe = split_mla_q(self.q)
+        tree = build_tree_mask(self.custom_mask, self.mask_indptr, self.qo_indptr, self.kv_indptr,
+                               self.num_tokens, self.max_n)
+        return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache_2d(self.kv_buffer), kv_indptr=self.kv_indptr,
+                    kv_indices=self.kv_indices, qo_indptr=self.qo_indptr, k_new=self.k[:, 0], tree_mask=tree,
+                    sm_scale=self.sm_scale)
+
 
 def random_tree_visibility(n: int, kind: str, gen: torch.Generator, pad: int = 0) -> torch.Tensor:
     """[n, n] bool: row i sees draft j. kinds: 'tree' (random parents before children, node 0 the root),
