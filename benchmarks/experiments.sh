@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Profiling aid: rebuild with compile-time variants of the split kernel and time them.
-#   KDTREE_EXPERIMENTS="NONE LSU LSU+NO_SCORE_MMA" KDTREE_EXP_ONLY=P131072 KDTREE_EXP_TESTS=1 bash benchmarks/experiments.sh
-# A variant is NONE or names joined by "+": LSU (-DKDTREE_LSU_GATHER), BULK (-DKDTREE_BULK_GATHER), or a
-# KDTREE_EXP_* knock-out (NO_GATHER, NO_SCORE_MMA, NO_PV_MMA; never set in a normal build), or D:NAME=VALUE.
+#   KDTREE_EXPERIMENTS="NONE NO_SCORE_MMA NO_SCORE_MMA+NO_PV_MMA" KDTREE_EXP_ONLY=P131072 KDTREE_EXP_TESTS=1 bash benchmarks/experiments.sh
+# A variant is NONE or names joined by "+": a KDTREE_EXP_* knock-out (NO_GATHER, NO_SCORE_MMA, NO_PV_MMA,
+# TRACE; never set in a normal build) or D:NAME=VALUE for any other macro.
 # TRACE (-DKDTREE_EXP_TRACE) runs benchmarks/trace_case.py on KDTREE_TRACE_SHAPES instead of the benchmark.
 # KDTREE_EXP_TESTS=1 also runs the kernel's GPU tests on each variant.
 set -uo pipefail
@@ -13,8 +13,6 @@ for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA}; do
   if [ "$v" != NONE ]; then
     for part in ${v//+/ }; do
       case "$part" in
-        LSU) flags="$flags -DKDTREE_LSU_GATHER" ;;
-        BULK) flags="$flags -DKDTREE_BULK_GATHER" ;;
         D:*) flags="$flags -D${part#D:}" ;;   # any macro, e.g. D:KDTREE_WG_SCHAINS=4
         *) flags="$flags -DKDTREE_EXP_$part" ;;
       esac

@@ -137,7 +137,7 @@ struct Params {
   float scale_log2;   // sm_scale * log2(e)
   int split_target;   // work items a long request is cut into (about 2 per SM)
   int block_m;        // rows per work item of the split kernel that runs (48 mma.sync, 64 wgmma)
-  int tile_n;         // keys per pipeline tile of that kernel (32, 64): splits are whole tiles
+  int tile_n;         // keys per pipeline tile of that kernel (32 for both): splits are whole tiles
   long long max_partial_rows;
   // workspace views
   int* counter;       // [2]: dynamic work counter, total items
@@ -327,6 +327,23 @@ struct ItemCtx {
   int ntiles;
 };
 
+// The work item `item` of the plan: its request, split, row tile and key range, for row tiles of
+// BlockM rows and key tiles of TileN keys (the split kernel's own sizes, as the plan used them).
+template <int BlockM, int TileN>
+__device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
+  ItemCtx cx;
+  cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
+  const int local = item - cx.rp.item_begin;
+  cx.split = local / cx.rp.mtiles;
+  cx.mtile = local - cx.split * cx.rp.mtiles;
+  cx.row0 = cx.mtile * BlockM;
+  cx.rows = min(BlockM, cx.rp.n * prm.heads - cx.row0);
+  cx.k0 = cx.split * cx.rp.chunk;
+  cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
+  cx.ntiles = (cx.k1 - cx.k0 + TileN - 1) / TileN;
+  return cx;
+}
+
 // Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
 // tile before its copy so its latency never stalls the pipeline.
 __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& c, int key) {
@@ -346,38 +363,6 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
 // announces the tile's bytes; copies may complete before that: the phase needs the arrival too.
 constexpr int kKeysPerWarp = kTileN / kValueWarps;   // 4
 static_assert(kTileN % kValueWarps == 0, "keys of a tile split evenly over the value warps");
-#ifdef KDTREE_LSU_GATHER
-// Gather through the load/store units instead: every value thread copies 16-byte pieces with
-// cp.async (the warp's 4 keys x 72 pieces = 9 per lane), then lets the buffer's mbarrier track
-// their completion (cp.async.mbarrier.arrive.noinc: the barrier expects all value threads).
-constexpr int kFullArrivals = kValueWarps * 32;
-constexpr int kPiecesPerKey = kKeyBytes / 16;                       // 72
-constexpr int kPiecesPerLane = kKeysPerWarp * kPiecesPerKey / 32;   // 9
-static_assert(kKeysPerWarp * kPiecesPerKey % 32 == 0, "a warp's pieces split evenly over its lanes");
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-template <int Stages>
-__device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Params& prm, const ItemCtx& cx, int t, int b,
-                                           int vw, int lane, long long slot) {
-  const int key0 = cx.k0 + t * kTileN + vw * kKeysPerWarp;
-  const __nv_bfloat16* mine = lane < kKeysPerWarp ? key_ptr(prm, cx, key0 + lane, slot) : prm.zero_row;
-#pragma unroll
-  for (int j = 0; j < kPiecesPerLane; ++j) {
-    const int q = lane + 32 * j;
-    const int k = q / kPiecesPerKey, piece = q - k * kPiecesPerKey;
-    const __nv_bfloat16* s =
-        reinterpret_cast<const __nv_bfloat16*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(mine), k));
-    cp_async_16(&sm.kv[b][vw * kKeysPerWarp + k][piece * 8], s + piece * 8, key0 + k < cx.k1 ? 16 : 0);
-  }
-  cp_async_arrive(&sm.full[b]);
-}
-#else
-constexpr int kFullArrivals = 1;
 template <int Stages>
 __device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Params& prm, const ItemCtx& cx, int t, int b,
                                            int vw, int lane, long long slot) {
@@ -388,7 +373,6 @@ __device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Para
     bulk_copy_g2s(&sm.kv[b][k][0], key_ptr(prm, cx, cx.k0 + t * kTileN + k, slot), kKeyBytes, &sm.full[b]);
   }
 }
-#endif
 
 // Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
 __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN + ((chunk ^ ((row >> 1) & 3)) << 3); }
@@ -423,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
 
   if (tid == 0) {
-    for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], kFullArrivals);
+    for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], 1);
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
@@ -437,18 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     const int item = sm.item;
     if (item >= total) return;
 
-    ItemCtx cx;
-    {
-      cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
-      const int local = item - cx.rp.item_begin;
-      cx.split = local / cx.rp.mtiles;
-      cx.mtile = local - cx.split * cx.rp.mtiles;
-      cx.row0 = cx.mtile * kBlockM;
-      cx.rows = min(kBlockM, cx.rp.n * prm.heads - cx.row0);
-      cx.k0 = cx.split * cx.rp.chunk;
-      cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
-      cx.ntiles = (cx.k1 - cx.k0 + kTileN - 1) / kTileN;
-    }
+    const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
     const int H = prm.heads;
 
     // ---- prologue: tiles 0 .. Stages-1 on their way, query columns [384, 576) into shared memory ----

@@ -112,9 +112,7 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
     const int kt = vt / kThreadsPerKey;
     const int key = cx.k0 + t * kTileN + kt;
     const bool valid = key < cx.k1;
-    const __nv_bfloat16* src = !valid ? prm.zero_row
-                               : key < cx.rp.p ? prm.kv + slot * prm.kv_ss
-                                               : prm.k_new + (long long)(cx.rp.qo_begin + key - cx.rp.p) * prm.k_new_st;
+    const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
     const uint32_t row = smem_u32(&sm.kv[b][0]) + kt * 128;
     const int cc = vt % kThreadsPerKey;
     const uint32_t dst = row + ((cc ^ (kt & 7)) << 4);
@@ -132,19 +130,6 @@ __device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCt
              : 0;
 }
 
-__device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
-  ItemCtx cx;
-  cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
-  const int local = item - cx.rp.item_begin;
-  cx.split = local / cx.rp.mtiles;
-  cx.mtile = local - cx.split * cx.rp.mtiles;
-  cx.row0 = cx.mtile * kBlockM;
-  cx.rows = min(kBlockM, cx.rp.n * prm.heads - cx.row0);
-  cx.k0 = cx.split * cx.rp.chunk;
-  cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
-  cx.ntiles = (cx.k1 - cx.k0 + kTileN - 1) / kTileN;
-  return cx;
-}
 
 #ifdef KDTREE_EXP_TRACE
 #define KDTREE_WTRACE(e) \
@@ -181,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       __syncthreads();
       const int item = sm.item;
       if (item >= total) return;
-      const ItemCtx cx = item_ctx(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 
       // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72
       // chunks of 16 bytes over the 128 score threads
@@ -343,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
       if (item >= total) return;
-      const ItemCtx cx = item_ctx(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 
       // prologue: tiles 0 .. kStages-1 on their way, one cp.async group each; tile 0 announced
       long long slot = gather_slot(prm, cx, 0, vt);
