@@ -735,39 +735,74 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 
 // ---------------------------------------------------------------------------------------------
 // Combine: one block per (verify token, head) row of a request that was split; fixed split order.
+// The split statistics are spread over the block (one split per thread, tree reductions) and the
+// weighted partial rows are read several at a time, so no loop walks the splits one load at a time.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
+constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineGroups = kCombineThreads / (kDimNope / 8);  // 4 groups of 64 threads x 8 columns
+
+// Block-wide max or sum in a fixed tree order (deterministic); every thread gets the result.
+template <bool Max>
+__device__ __forceinline__ float combine_block_reduce(float v, float* s_red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = Max ? fmaxf(v, u) : v + u;
+  }
+  __syncthreads();   // s_red of an earlier reduction has been read
+  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = s_red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) v = Max ? fmaxf(v, s_red[w]) : v + s_red[w];
+  return v;
+}
 
 __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineGroups][kDimNope];
+  __shared__ float s_w[kCombineThreads];   // weights of one chunk of 256 splits
+  __shared__ float s_red[kCombineWarps];
+  const int tid = threadIdx.x;
   const int gr = blockIdx.x;                 // global row = t * H + h
   const int t = gr / prm.heads, h = gr - t * prm.heads;
   const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
-  if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) return;
+  if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) return;   // block-uniform
   const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
   const long long rstride = (long long)rp.n * prm.heads;
   const float* lse = prm.partial_lse + rp.partial_row + r;
   float mx = -INFINITY;
-  for (int s = 0; s < rp.nsplit; ++s) mx = fmaxf(mx, lse[s * rstride]);
-  const int grp = threadIdx.x / (kDimNope / 8);
-  const int col = (threadIdx.x % (kDimNope / 8)) * 8;
+  for (int s = tid; s < rp.nsplit; s += kCombineThreads) mx = fmaxf(mx, lse[s * rstride]);
+  mx = combine_block_reduce<true>(mx, s_red);
+  const int grp = tid / (kDimNope / 8);
+  const int col = (tid % (kDimNope / 8)) * 8;
   float acc[8] = {};
-  float wsum = 0.f;
-  if (mx != -INFINITY) {
-    for (int s = grp; s < rp.nsplit; s += kCombineGroups) {
-      const float w = exp2f(lse[s * rstride] - mx);
-      const uint4 v = *reinterpret_cast<const uint4*>(prm.partial_o + (rp.partial_row + r + s * rstride) * kDimNope + col);
-      const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
+  float wpart = 0.f;
+  if (mx != -INFINITY) {   // block-uniform
+    for (int base = 0; base < rp.nsplit; base += kCombineThreads) {
+      const int s = base + tid;
+      const float w = s < rp.nsplit ? exp2f(lse[s * rstride] - mx) : 0.f;
+      wpart += w;
+      __syncthreads();   // the previous chunk's weights are consumed
+      s_w[tid] = w;
+      __syncthreads();
+      const int cnt = min(kCombineThreads, rp.nsplit - base);
+      const __nv_bfloat16* src = prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col;
+#pragma unroll 4
+      for (int i = grp; i < cnt; i += kCombineGroups) {
+        const float wi = s_w[i];
+        const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)i * rstride * kDimNope);
+        const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pv[i]);
-        acc[2 * i] += w * f.x;
-        acc[2 * i + 1] += w * f.y;
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = __bfloat1622float2(pv[k]);
+          acc[2 * k] += wi * f.x;
+          acc[2 * k + 1] += wi * f.y;
+        }
       }
     }
-    for (int s = 0; s < rp.nsplit; ++s) wsum += exp2f(lse[s * rstride] - mx);
   }
+  const float wsum = combine_block_reduce<false>(wpart, s_red);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s_acc[grp][col + i] = acc[i];
   __syncthreads();
