@@ -358,6 +358,102 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
+// The work item `item` of the plan: its request, split, row tile and key range, for row tiles of
+// BlockM rows and key tiles of TileN keys (the split kernel's own sizes, as the plan used them).
+template <int BlockM, int TileN>
+__device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
+  ItemCtx cx;
+  cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
+  const int local = item - cx.rp.item_begin;
+  cx.split = local / cx.rp.mtiles;
+  cx.mtile = local - cx.split * cx.rp.mtiles;
+  cx.row0 = cx.mtile * BlockM;
+  cx.rows = min(BlockM, cx.rp.n * prm.heads - cx.row0);
+  cx.k0 = cx.split * cx.rp.chunk;
+  cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
+  cx.ntiles = (cx.k1 - cx.k0 + TileN - 1) / TileN;
+  return cx;
+}
+
+// Is request-local key `key` (keys >= p are drafts) visible to tile row r? Prefix keys inside the
+// split are; drafts follow the tree mask (or the causal chain without one); padding rows see none.
+__device__ __forceinline__ bool key_visible(const Params& prm, const ItemCtx& cx, int key, int r, int H) {
+  bool vis = key < cx.k1;
+  if (vis && key >= cx.rp.p) {
+    const int j = key - cx.rp.p;
+    const int n = r < cx.rows ? (cx.row0 + r) / H : -1;   // verify token of the row (-1: padding)
+    if (n < 0 || (prm.tree_mask && (j >> 6) >= prm.mask_words)) {
+      // padding row; or a request longer than the mask's 64 * words columns (a caller bug the host
+      // cannot see without a sync): never read past the mask row
+      vis = false;
+    } else if (prm.tree_mask) {
+      const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (j >> 6)];
+      vis = (w >> (j & 63)) & 1ull;
+    } else {
+      vis = j <= n;
+    }
+  }
+  return vis;
+}
+
+// One online-softmax step for the two rows (g, g+8) of an mma / wgmma accumulator: the tile's row
+// maxima (tmax, per thread) are reduced over the quad, the running maxima advance, and the factor
+// that rescales what was accumulated before comes back (m_use: the max to subtract, 0 for a row
+// that has seen nothing visible yet).
+__device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)[2], float (&m_use)[2],
+                                                float (&alpha)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+    const float m_new = fmaxf(m_run[half], tmax[half]);
+    m_use[half] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[half] = fast_exp2(m_run[half] - m_use[half]);
+    m_run[half] = m_new;
+  }
+}
+
+// End of an item, score side: l (a per-thread partial) reduced over the quad, the row statistics
+// stored for the value side, and for a split request the partial log2-sum-exp of each row (after
+// `bar`, the barrier the value side waits on before it reads row_m / row_l).
+template <typename Bar>
+__device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx, int H, int wrow, int g, int c,
+                                            const float (&m_run)[2], float (&l_run)[2], float* row_m,
+                                            float* row_l, Bar bar) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+  }
+  if (c == 0) {
+    row_m[wrow + g] = m_run[0];
+    row_m[wrow + g + 8] = m_run[1];
+    row_l[wrow + g] = l_run[0];
+    row_l[wrow + g + 8] = l_run[1];
+  }
+  bar();
+  if (cx.rp.nsplit > 1 && c == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wrow + g + half * 8;
+      if (r < cx.rows) {
+        const float l = l_run[half];
+        const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
+        prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
+      }
+    }
+  }
+}
+
+// Where tile row r of the item goes: its partial row (split requests) or the output row.
+__device__ __forceinline__ __nv_bfloat16* result_row(const Params& prm, const ItemCtx& cx, int r) {
+  const int rr = cx.row0 + r;
+  if (cx.rp.nsplit > 1)
+    return prm.partial_o + (cx.rp.partial_row + (long long)cx.split * cx.rp.n * prm.heads + rr) * kDimNope;
+  const int n = rr / prm.heads, h = rr - n * prm.heads;
+  return prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
+}
+
 // The value warps fill buffer `b` with tile `t`, kKeysPerWarp keys each (a bulk copy is issued by
 // one thread at a time, so one warp issuing all 32 serialises them). The first value thread
 // announces the tile's bytes; copies may complete before that: the phase needs the arrival too.
@@ -536,43 +632,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             for (int e = 0; e < 4; ++e) {
               const int half = e >> 1;
               float sc = acc[nt][e] * prm.scale_log2;
-              if (!plain) {
-                const int key = key0 + nt * 8 + 2 * c + (e & 1);
-                bool vis = key < cx.k1;
-                if (vis && key >= cx.rp.p) {
-                  const int j = key - cx.rp.p;
-                  const int r = wrow + g + half * 8;   // verify token of this row (-1: padding row)
-                  const int n = r < cx.rows ? (cx.row0 + r) / H : -1;
-                  if (n < 0 || (prm.tree_mask && (j >> 6) >= prm.mask_words)) {
-                    // padding row; or a request longer than the mask's 64 * words columns (a caller
-                    // bug the host cannot see without a sync): never read past the mask row
-                    vis = false;
-                  } else if (prm.tree_mask) {
-                    const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (j >> 6)];
-                    vis = (w >> (j & 63)) & 1ull;
-                  } else {
-                    vis = j <= n;
-                  }
-                }
-                if (!vis) sc = -INFINITY;
-              }
+              if (!plain && !key_visible(prm, cx, key0 + nt * 8 + 2 * c + (e & 1), wrow + g + half * 8, H))
+                sc = -INFINITY;
               acc[nt][e] = sc;
               tmax[half] = fmaxf(tmax[half], sc);
             }
           }
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
-            tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
-          }
           float alpha[2], m_use[2];
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float m_new = fmaxf(m_run[half], tmax[half]);
-            m_use[half] = m_new == -INFINITY ? 0.f : m_new;   // a row with nothing visible yet stays at 0
-            alpha[half] = fast_exp2(m_run[half] - m_use[half]);
-            m_run[half] = m_new;
-          }
+          softmax_advance(tmax, m_run, m_use, alpha);
           float psum[2] = {0.f, 0.f};
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
@@ -595,31 +662,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
         if (warp == 0) KDTREE_TRACE(3);
       }
-      // row statistics for the epilogue (l is a per-thread partial: reduce over the quad)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
-      }
-      if (c == 0) {
-        sm.row_m[wrow + g] = m_run[0];
-        sm.row_m[wrow + g + 8] = m_run[1];
-        sm.row_l[wrow + g] = l_run[0];
-        sm.row_l[wrow + g + 8] = l_run[1];
-      }
-      bar_sync(kBarBlock, kThreads);  // pairs with the value warps' epilogue barrier
-      // partial log2-sum-exp, one value per row
-      if (cx.rp.nsplit > 1 && c == 0) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = wrow + g + half * 8;
-          if (r < cx.rows) {
-            const float l = l_run[half];
-            const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
-            prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
-          }
-        }
-      }
+      finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
+                  [] { bar_sync(kBarBlock, kThreads); });   // pairs with the value warps' epilogue barrier
     } else {
       // =========================== value warps ===========================
       const int col0 = vw * kValueCols;
@@ -692,7 +736,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         if (vw == 0) KDTREE_TRACE(7);
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
-      const bool partial = cx.rp.nsplit > 1;
 #pragma unroll
       for (int rb = 0; rb < kScoreWarps; ++rb) {
 #pragma unroll
@@ -701,14 +744,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           if (r >= cx.rows) continue;
           const float l = sm.row_l[r];
           const float inv = l > 0.f ? 1.f / l : 0.f;
-          const int rr = cx.row0 + r;
-          __nv_bfloat16* dst;
-          if (partial) {
-            dst = prm.partial_o + (cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + rr) * kDimNope;
-          } else {
-            const int n = rr / H, h = rr - n * H;
-            dst = prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
-          }
+          __nv_bfloat16* dst = result_row(prm, cx, r);
 #pragma unroll
           for (int nt = 0; nt < kValueCols / 8; ++nt) {
             *reinterpret_cast<uint32_t*>(dst + col0 + nt * 8 + 2 * c) =

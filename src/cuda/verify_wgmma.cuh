@@ -225,41 +225,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           for (int e = 0; e < 4; ++e) {
             const int half = e >> 1;
             float sc = s[4 * j + e] * prm.scale_log2;
-            if (!plain) {
-              const int key = key0 + j * 8 + 2 * c + (e & 1);
-              bool vis = key < cx.k1;
-              if (vis && key >= cx.rp.p) {
-                const int jj = key - cx.rp.p;
-                const int r = wrow + g + half * 8;
-                const int n = r < cx.rows ? (cx.row0 + r) / H : -1;
-                if (n < 0 || (prm.tree_mask && (jj >> 6) >= prm.mask_words)) {
-                  vis = false;   // padding row, or a draft column past the mask's 64 * words (never read)
-                } else if (prm.tree_mask) {
-                  const uint64_t w = prm.tree_mask[(long long)(cx.rp.qo_begin + n) * prm.mask_words + (jj >> 6)];
-                  vis = (w >> (jj & 63)) & 1ull;
-                } else {
-                  vis = jj <= n;
-                }
-              }
-              if (!vis) sc = -INFINITY;
-            }
+            if (!plain && !key_visible(prm, cx, key0 + j * 8 + 2 * c + (e & 1), wrow + g + half * 8, H))
+              sc = -INFINITY;
             s[4 * j + e] = sc;
             tmax[half] = fmaxf(tmax[half], sc);
           }
         }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
-          tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
-        }
         float alpha[2], m_use[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float m_new = fmaxf(m_run[half], tmax[half]);
-          m_use[half] = m_new == -INFINITY ? 0.f : m_new;
-          alpha[half] = fast_exp2(m_run[half] - m_use[half]);
-          m_run[half] = m_new;
-        }
+        softmax_advance(tmax, m_run, m_use, alpha);
         if (warp == 0) KDTREE_WTRACE(2);
         if (it > 0) bar_sync(kBarPEmpty, kThreads);   // the value WGs are done with the previous P
         float psum[2] = {0.f, 0.f};
@@ -284,29 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         bar_arrive(kBarPFull, kThreads);
         if (warp == 0) KDTREE_WTRACE(3);
       }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-        l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
-      }
-      if (c == 0) {
-        sm.row_m[wrow + g] = m_run[0];
-        sm.row_m[wrow + g + 8] = m_run[1];
-        sm.row_l[wrow + g] = l_run[0];
-        sm.row_l[wrow + g + 8] = l_run[1];
-      }
-      bar_sync(kBarBlock, kThreads);
-      if (cx.rp.nsplit > 1 && c == 0) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = wrow + g + half * 8;
-          if (r < cx.rows) {
-            const float l = l_run[half];
-            const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
-            prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
-          }
-        }
-      }
+      finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l, [] { bar_sync(kBarBlock, kThreads); });
       __syncthreads();   // the item's shared memory is consumed before the next item starts
 #ifdef KDTREE_EXP_TRACE
       if (tid == 0 && blockIdx.x < 2) {
@@ -397,22 +348,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       }
       cp_async_wait<0>();   // nothing of this item may land after the next item starts
       bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG
-      const bool partial = cx.rp.nsplit > 1;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = wrow + g + half * 8;
         if (r < cx.rows) {
           const float l = sm.row_l[r];
           const float inv = l > 0.f ? 1.f / l : 0.f;
-          const int rr = cx.row0 + r;
-          __nv_bfloat16* dst;
-          if (partial) {
-            dst = prm.partial_o + (cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + rr) * kDimNope;
-          } else {
-            const int n = rr / H, h = rr - n * H;
-            dst = prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
-          }
-          dst += 256 * v;
+          __nv_bfloat16* dst = result_row(prm, cx, r) + 256 * v;
 #pragma unroll
           for (int j = 0; j < 32; ++j)
             *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * c) = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
