@@ -249,11 +249,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+        fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha by plain loads
         if (c == 0) {
           sm.alpha[wrow + g] = alpha[0];
           sm.alpha[wrow + g + 8] = alpha[1];
         }
-        fence_proxy_async();   // P is read next by wgmma (the async proxy)
         bar_arrive(kBarPFull, kThreads);
         if (warp == 0) KDTREE_WTRACE(3);
       }
