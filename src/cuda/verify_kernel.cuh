@@ -358,23 +358,6 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
-// The work item `item` of the plan: its request, split, row tile and key range, for row tiles of
-// BlockM rows and key tiles of TileN keys (the split kernel's own sizes, as the plan used them).
-template <int BlockM, int TileN>
-__device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
-  ItemCtx cx;
-  cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
-  const int local = item - cx.rp.item_begin;
-  cx.split = local / cx.rp.mtiles;
-  cx.mtile = local - cx.split * cx.rp.mtiles;
-  cx.row0 = cx.mtile * BlockM;
-  cx.rows = min(BlockM, cx.rp.n * prm.heads - cx.row0);
-  cx.k0 = cx.split * cx.rp.chunk;
-  cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
-  cx.ntiles = (cx.k1 - cx.k0 + TileN - 1) / TileN;
-  return cx;
-}
-
 // Is request-local key `key` (keys >= p are drafts) visible to tile row r? Prefix keys inside the
 // split are; drafts follow the tree mask (or the causal chain without one); padding rows see none.
 __device__ __forceinline__ bool key_visible(const Params& prm, const ItemCtx& cx, int key, int r, int H) {
