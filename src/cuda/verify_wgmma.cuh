@@ -3,19 +3,23 @@
 //
 // Design (numbers in docs/PERF_LOG.md):
 // - A work item is (request, split, 64-row tile): rows r = n * H + h as in the mma.sync kernel, but
-//   one wgmma M of 64 rows per item, and 32-key tiles.
+//   one wgmma M of 64 rows per item, and 64-key tiles (one wgmma N for S).
 // - 3 warpgroups (168 registers each, one CTA per SM):
-//     WG0 "score": S = Q K^T as 36 wgmma m64n32k16 with both operands in shared memory (q is
+//     WG0 "score": S = Q K^T as 36 wgmma m64n64k16 with both operands in shared memory (q is
 //       loaded once per item), then the online softmax in registers; P (bf16) and the per-row
 //       rescale go to shared memory.
 //     WG1, WG2 "value": each owns 256 of the 512 value columns for all 64 rows (128 fp32 per
-//       thread) and runs O = alpha * O + P V as 2 wgmma m64n256k16 (A = P, B = the same key tile read
+//       thread) and runs O = alpha * O + P V as 4 wgmma m64n256k16 (A = P, B = the same key tile read
 //       MN-major: V is the first 512 columns of the latent row). They also gather the keys.
 // - All shared operands use the 128-byte swizzled K-major layout: a matrix of R rows x 576 columns
 //   is 9 slabs of 64 columns, [slab][row][128 B], 16-byte chunk c of row r stored at c ^ (r % 8).
-// - Keys are gathered with cp.async, 16 bytes per copy, straight into that layout; 4 stages
-//   (144 KB). A value thread waits for its own copies of tile i+1 (cp.async.wait_group), fences
-//   them into the async proxy and arrives on the tile's mbarrier; the score warpgroup waits on it.
+// - Keys are gathered with cp.async, 16 bytes per copy, straight into that layout; 2 stages of
+//   72 KB (q takes the other 72 KB). Each value thread follows its copies of a tile with
+//   cp.async.mbarrier.arrive.noinc on the tile's mbarrier, so a tile announces itself when it has
+//   landed and no thread waits for its own copies; readers wait on the mbarrier and fence the
+//   tile into the async proxy before their wgmma.
+// - The session-2 version (32-key tiles, S as m64n32k16, 4 stages, the value warpgroups announcing
+//   tiles from their loop) is in git history; benchmarks/micro measured why this one replaced it.
 #pragma once
 
 #include "verify_kernel.cuh"
@@ -24,20 +28,22 @@ namespace kdtree {
 namespace wg {
 
 constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
-constexpr int kTileN = 32;                  // keys per pipeline tile
-constexpr int kStages = 4;
+constexpr int kTileN = 64;                  // keys per pipeline tile: S is one wgmma N of 64
+constexpr int kStages = 2;
 constexpr int kThreads = 384;               // 3 warpgroups
 constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
 constexpr int kSlabs = kDimQK / kSlabDims;  // 9
-constexpr int kSlabBytes = kTileN * 128;    // 4,096: one 64-column slab of a key tile
-constexpr int kTileBytes = kSlabs * kSlabBytes;  // 36,864
+constexpr int kSlabBytes = kTileN * 128;    // 8,192: one 64-column slab of a key tile
+constexpr int kTileBytes = kSlabs * kSlabBytes;  // 73,728
 constexpr int kQSlabBytes = kBlockM * 128;  // 8,192: one 64-column slab of q
 constexpr int kChunksPerKey = kKeyBytes / 16;    // 72
 constexpr int kValueThreads = 256;
-constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
-constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9
+constexpr int kThreadsPerKey = 8;           // thread vt copies chunk vt % 8 of each slab of its keys
+constexpr int kKeysPerPass = kValueThreads / kThreadsPerKey;      // 32
+constexpr int kKeyPasses = kTileN / kKeysPerPass;                 // 2: keys vt / 8 and vt / 8 + 32
+constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9 per key
 constexpr int kKSteps = kDimQK / 16;        // 36
-constexpr int kPvSteps = kTileN / 16;       // 2
+constexpr int kPvSteps = kTileN / 16;       // 4
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarBlock = 1;
@@ -47,12 +53,13 @@ constexpr int kBarValues = 4;   // the two value WGs: the key tile consumed, may
 constexpr int kBarScore = 5;    // the score WG: q of the item in shared memory
 
 static_assert(kKSteps * 16 == kDimQK && kTileN % 16 == 0, "whole k16 steps");
-static_assert(kThreadsPerKey == 8 && kChunksPerThread == kSlabs, "a gather thread copies one chunk per slab");
+static_assert(kThreadsPerKey * kChunksPerThread == kChunksPerKey && kChunksPerThread == kSlabs &&
+              kKeyPasses * kKeysPerPass == kTileN, "a gather thread copies one chunk per slab of each of its keys");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
   unsigned char kv[kStages][kTileBytes];   // 147,456
-  unsigned char p[kBlockM * 128];          // P: [row][32 keys in a 128-byte row], swizzled (K-major A)
+  unsigned char p[kBlockM * 128];          // P: [row][64 keys = one 128-byte row], swizzled (K-major A)
   float alpha[kBlockM];
   float row_m[kBlockM];
   float row_l[kBlockM];
@@ -76,22 +83,16 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
 
-// D[64 x 32] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 32] (shared memory, K-major), fp32 accumulate.
-__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+// D[64 x 64] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 64] (shared memory, K-major), fp32 accumulate.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -104,30 +105,38 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// Value thread vt gathers chunk vt % 8 of each of the 9 slabs of key vt / 8 of tile t into buffer b
-// (zero-fill past the split end), as one cp.async group (empty when t is past the last tile).
+// Value thread vt gathers chunk vt % 8 of each of the 9 slabs of keys vt / 8 and vt / 8 + 32 of tile t
+// into buffer b (zero-fill past the split end); the tile's mbarrier counts the thread's arrival once all
+// of those copies have landed (cp.async.mbarrier.arrive.noinc: nobody waits on them here). Past the last
+// tile nothing is issued and nobody arrives.
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
-                                            long long slot) {
-  if (t < cx.ntiles) {
-    const int kt = vt / kThreadsPerKey;
+                                            const long long (&slot)[kKeyPasses]) {
+  if (t >= cx.ntiles) return;
+  const int cc = vt % kThreadsPerKey;
+#pragma unroll
+  for (int pass = 0; pass < kKeyPasses; ++pass) {
+    const int kt = vt / kThreadsPerKey + pass * kKeysPerPass;
     const int key = cx.k0 + t * kTileN + kt;
-    const bool valid = key < cx.k1;
-    const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
-    const uint32_t row = smem_u32(&sm.kv[b][0]) + kt * 128;
-    const int cc = vt % kThreadsPerKey;
-    const uint32_t dst = row + ((cc ^ (kt & 7)) << 4);
+    const __nv_bfloat16* src = key_ptr(prm, cx, key, slot[pass]);
+    const uint32_t dst = smem_u32(&sm.kv[b][0]) + kt * 128 + ((cc ^ (kt & 7)) << 4);
+    const int bytes = key < cx.k1 ? 16 : 0;
 #pragma unroll
     for (int slab = 0; slab < kSlabs; ++slab)
-      cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
+      cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, bytes);
   }
-  cp_async_commit();
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&sm.full[b])) : "memory");
 }
 
-__device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCtx& cx, int t, int vt) {
-  const int key = cx.k0 + t * kTileN + vt / kThreadsPerKey;
-  return t < cx.ntiles && key < cx.k1 && key < cx.rp.p
-             ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
-             : 0;
+// Slot ids of this thread's keys of tile t (loaded one tile before their copies).
+__device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& cx, int t, int vt,
+                                             long long (&slot)[kKeyPasses]) {
+#pragma unroll
+  for (int pass = 0; pass < kKeyPasses; ++pass) {
+    const int key = cx.k0 + t * kTileN + vt / kThreadsPerKey + pass * kKeysPerPass;
+    slot[pass] = t < cx.ntiles && key < cx.k1 && key < cx.rp.p
+                     ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
+                     : 0;
+  }
 }
 
 
@@ -192,10 +201,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % kStages;
-        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
+        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // every value thread's copies of the tile landed
         phase_bits ^= 1u << b;
+        fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         if (warp == 0) KDTREE_WTRACE(0);
-        float s[16];
+        float s[kTileN / 2];
         {
           const uint32_t qbase = smem_u32(&sm.q[0]);
           const uint32_t kbase = smem_u32(&sm.kv[b][0]);
@@ -209,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 #endif
             const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
             const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
-            wgmma_m64n32k16_ss(s, da, db, ks > 0);
+            wgmma_m64n64k16_ss(s, da, db, ks > 0);
           }
           wg_commit();
           wg_wait0();
@@ -275,23 +285,23 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     const int vt = tid - 128;           // 0..255
     const int v = vt >> 7;              // value warpgroup: columns [256 v, 256 v + 256)
     const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
+    uint32_t phase_bits = 0u;
     for (;;) {
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 
-      // prologue: tiles 0 .. kStages-1 on their way, one cp.async group each; tile 0 announced
-      long long slot = gather_slot(prm, cx, 0, vt);
+      // prologue: tiles 0 .. kStages-1 on their way (each announces itself on its mbarrier)
+      long long slot[kKeyPasses], next[kKeyPasses];
+      gather_slots(prm, cx, 0, vt, slot);
 #pragma unroll
       for (int t = 0; t < kStages; ++t) {
-        const long long next = gather_slot(prm, cx, t + 1, vt);
+        gather_slots(prm, cx, t + 1, vt, next);
         gather_tile(sm, prm, cx, t, t, vt, slot);
-        slot = next;
+#pragma unroll
+        for (int pass = 0; pass < kKeyPasses; ++pass) slot[pass] = next[pass];
       }
-      cp_async_wait<kStages - 1>();
-      fence_proxy_async();
-      mbar_arrive(&sm.full[0]);
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();   // (a little later than the score WG's origin)
 #endif
@@ -302,13 +312,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % kStages;
-        if (it + 1 < cx.ntiles) {   // announce tile it+1 (issued kStages-1 tiles ago)
-          cp_async_wait<kStages - 2>();
-          fence_proxy_async();
-          mbar_arrive(&sm.full[(it + 1) % kStages]);
-        }
         if (warp == 4) KDTREE_WTRACE(4);
         bar_sync(kBarPFull, kThreads);
+        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // landed (the score WG saw it already)
+        phase_bits ^= 1u << b;
+        fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
         if (warp == 4) KDTREE_WTRACE(5);
         {
           const float a0 = sm.alpha[wrow + g];
@@ -341,12 +349,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         if (warp == 4) KDTREE_WTRACE(6);
         if (it + 1 < cx.ntiles) bar_arrive(kBarPEmpty, kThreads);
         bar_sync(kBarValues, kValueThreads);   // both value WGs are done with buffer b
-        const long long next = gather_slot(prm, cx, it + kStages + 1, vt);
+        gather_slots(prm, cx, it + kStages + 1, vt, next);
         gather_tile(sm, prm, cx, it + kStages, b, vt, slot);
-        slot = next;
+#pragma unroll
+        for (int pass = 0; pass < kKeyPasses; ++pass) slot[pass] = next[pass];
         if (warp == 4) KDTREE_WTRACE(7);
       }
-      cp_async_wait<0>();   // nothing of this item may land after the next item starts
+      // every copy of the item landed: the score WG waited on all of its tiles
       bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
