@@ -3,23 +3,22 @@
 //
 // Design (numbers in docs/PERF_LOG.md):
 // - A work item is (request, split, 64-row tile): rows r = n * H + h as in the mma.sync kernel, but
-//   one wgmma M of 64 rows per item, and 64-key tiles (one wgmma N for S).
+//   one wgmma M of 64 rows per item, and 32-key tiles.
 // - 3 warpgroups (168 registers each, one CTA per SM):
-//     WG0 "score": S = Q K^T as 36 wgmma m64n64k16 with both operands in shared memory (q is
+//     WG0 "score": S = Q K^T as 36 wgmma m64n32k16 with both operands in shared memory (q is
 //       loaded once per item), then the online softmax in registers; P (bf16) and the per-row
 //       rescale go to shared memory.
 //     WG1, WG2 "value": each owns 256 of the 512 value columns for all 64 rows (128 fp32 per
-//       thread) and runs O = alpha * O + P V as 4 wgmma m64n256k16 (A = P, B = the same key tile read
+//       thread) and runs O = alpha * O + P V as 2 wgmma m64n256k16 (A = P, B = the same key tile read
 //       MN-major: V is the first 512 columns of the latent row). They also gather the keys.
 // - All shared operands use the 128-byte swizzled K-major layout: a matrix of R rows x 576 columns
 //   is 9 slabs of 64 columns, [slab][row][128 B], 16-byte chunk c of row r stored at c ^ (r % 8).
-// - Keys are gathered with cp.async, 16 bytes per copy, straight into that layout; 2 stages of
-//   72 KB (q takes the other 72 KB). Each value thread follows its copies of a tile with
-//   cp.async.mbarrier.arrive.noinc on the tile's mbarrier, so a tile announces itself when it has
-//   landed and no thread waits for its own copies; readers wait on the mbarrier and fence the
-//   tile into the async proxy before their wgmma.
-// - The session-2 version (32-key tiles, S as m64n32k16, 4 stages, the value warpgroups announcing
-//   tiles from their loop) is in git history; benchmarks/micro measured why this one replaced it.
+// - Keys are gathered with cp.async, 16 bytes per copy, straight into that layout; 4 stages
+//   (144 KB). Each value thread follows its copies of a tile with cp.async.mbarrier.arrive.noinc, so
+//   a tile announces itself on its mbarrier when it has landed; readers wait on the mbarrier and
+//   fence the tile into the async proxy before their wgmma.
+// - The score warpgroup keeps two S accumulators: S of tile i+1 is in flight on the tensor cores
+//   while it runs the softmax of tile i.
 #pragma once
 
 #include "verify_kernel.cuh"
@@ -28,22 +27,20 @@ namespace kdtree {
 namespace wg {
 
 constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
-constexpr int kTileN = 64;                  // keys per pipeline tile: S is one wgmma N of 64
-constexpr int kStages = 2;
+constexpr int kTileN = 32;                  // keys per pipeline tile
+constexpr int kStages = 4;
 constexpr int kThreads = 384;               // 3 warpgroups
 constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
 constexpr int kSlabs = kDimQK / kSlabDims;  // 9
-constexpr int kSlabBytes = kTileN * 128;    // 8,192: one 64-column slab of a key tile
-constexpr int kTileBytes = kSlabs * kSlabBytes;  // 73,728
+constexpr int kSlabBytes = kTileN * 128;    // 4,096: one 64-column slab of a key tile
+constexpr int kTileBytes = kSlabs * kSlabBytes;  // 36,864
 constexpr int kQSlabBytes = kBlockM * 128;  // 8,192: one 64-column slab of q
 constexpr int kChunksPerKey = kKeyBytes / 16;    // 72
 constexpr int kValueThreads = 256;
-constexpr int kThreadsPerKey = 8;           // thread vt copies chunk vt % 8 of each slab of its keys
-constexpr int kKeysPerPass = kValueThreads / kThreadsPerKey;      // 32
-constexpr int kKeyPasses = kTileN / kKeysPerPass;                 // 2: keys vt / 8 and vt / 8 + 32
-constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9 per key
+constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
+constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9
 constexpr int kKSteps = kDimQK / 16;        // 36
-constexpr int kPvSteps = kTileN / 16;       // 4
+constexpr int kPvSteps = kTileN / 16;       // 2
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarBlock = 1;
@@ -53,13 +50,12 @@ constexpr int kBarValues = 4;   // the two value WGs: the key tile consumed, may
 constexpr int kBarScore = 5;    // the score WG: q of the item in shared memory
 
 static_assert(kKSteps * 16 == kDimQK && kTileN % 16 == 0, "whole k16 steps");
-static_assert(kThreadsPerKey * kChunksPerThread == kChunksPerKey && kChunksPerThread == kSlabs &&
-              kKeyPasses * kKeysPerPass == kTileN, "a gather thread copies one chunk per slab of each of its keys");
+static_assert(kThreadsPerKey == 8 && kChunksPerThread == kSlabs, "a gather thread copies one chunk per slab");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
   unsigned char kv[kStages][kTileBytes];   // 147,456
-  unsigned char p[kBlockM * 128];          // P: [row][64 keys = one 128-byte row], swizzled (K-major A)
+  unsigned char p[kBlockM * 128];          // P: [row][32 keys in a 128-byte row], swizzled (K-major A)
   float alpha[kBlockM];
   float row_m[kBlockM];
   float row_l[kBlockM];
@@ -87,12 +83,12 @@ __device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// D[64 x 64] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 64] (shared memory, K-major), fp32 accumulate.
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+// D[64 x 32] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 32] (shared memory, K-major), fp32 accumulate.
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -105,38 +101,31 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// Value thread vt gathers chunk vt % 8 of each of the 9 slabs of keys vt / 8 and vt / 8 + 32 of tile t
-// into buffer b (zero-fill past the split end); the tile's mbarrier counts the thread's arrival once all
-// of those copies have landed (cp.async.mbarrier.arrive.noinc: nobody waits on them here). Past the last
-// tile nothing is issued and nobody arrives.
+// Value thread vt gathers chunk vt % 8 of each of the 9 slabs of key vt / 8 of tile t into buffer b
+// (zero-fill past the split end). The tile announces itself: each thread follows its copies with
+// cp.async.mbarrier.arrive.noinc, which arrives on the tile's mbarrier once they have landed, so no
+// thread waits for its own copies. Past the last tile nothing is issued and nobody arrives.
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
-                                            const long long (&slot)[kKeyPasses]) {
+                                            long long slot) {
   if (t >= cx.ntiles) return;
+  const int kt = vt / kThreadsPerKey;
+  const int key = cx.k0 + t * kTileN + kt;
+  const bool valid = key < cx.k1;
+  const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
+  const uint32_t row = smem_u32(&sm.kv[b][0]) + kt * 128;
   const int cc = vt % kThreadsPerKey;
+  const uint32_t dst = row + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
-  for (int pass = 0; pass < kKeyPasses; ++pass) {
-    const int kt = vt / kThreadsPerKey + pass * kKeysPerPass;
-    const int key = cx.k0 + t * kTileN + kt;
-    const __nv_bfloat16* src = key_ptr(prm, cx, key, slot[pass]);
-    const uint32_t dst = smem_u32(&sm.kv[b][0]) + kt * 128 + ((cc ^ (kt & 7)) << 4);
-    const int bytes = key < cx.k1 ? 16 : 0;
-#pragma unroll
-    for (int slab = 0; slab < kSlabs; ++slab)
-      cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, bytes);
-  }
+  for (int slab = 0; slab < kSlabs; ++slab)
+    cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&sm.full[b])) : "memory");
 }
 
-// Slot ids of this thread's keys of tile t (loaded one tile before their copies).
-__device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& cx, int t, int vt,
-                                             long long (&slot)[kKeyPasses]) {
-#pragma unroll
-  for (int pass = 0; pass < kKeyPasses; ++pass) {
-    const int key = cx.k0 + t * kTileN + vt / kThreadsPerKey + pass * kKeysPerPass;
-    slot[pass] = t < cx.ntiles && key < cx.k1 && key < cx.rp.p
-                     ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
-                     : 0;
-  }
+__device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCtx& cx, int t, int vt) {
+  const int key = cx.k0 + t * kTileN + vt / kThreadsPerKey;
+  return t < cx.ntiles && key < cx.k1 && key < cx.rp.p
+             ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
+             : 0;
 }
 
 
@@ -199,31 +188,38 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       float m_run[2] = {-INFINITY, -INFINITY};
       float l_run[2] = {0.f, 0.f};
 
-      for (int it = 0; it < cx.ntiles; ++it) {
-        const int b = it % kStages;
-        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // every value thread's copies of the tile landed
-        phase_bits ^= 1u << b;
+      // S of tile t into acc: wait for the tile to land, fence it into the async proxy, issue the 36
+      // wgmma and commit them (the caller waits). S of tile it+1 runs while tile it's softmax does.
+      const uint32_t qbase = smem_u32(&sm.q[0]);
+      auto issue_s = [&](int t, float (&acc)[16]) {
+        const int bt = t % kStages;
+        mbar_wait(&sm.full[bt], (phase_bits >> bt) & 1u);   // every value thread's copies landed
+        phase_bits ^= 1u << bt;
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-        if (warp == 0) KDTREE_WTRACE(0);
-        float s[kTileN / 2];
-        {
-          const uint32_t qbase = smem_u32(&sm.q[0]);
-          const uint32_t kbase = smem_u32(&sm.kv[b][0]);
-          wg_fence();
+        const uint32_t kbase = smem_u32(&sm.kv[bt][0]);
+        wg_fence();
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
 #pragma unroll
-          for (int ks = 0; ks < 1; ++ks) {
+        for (int ks = 0; ks < 1; ++ks) {
 #else
 #pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks) {
+        for (int ks = 0; ks < kKSteps; ++ks) {
 #endif
-            const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
-            const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
-            wgmma_m64n64k16_ss(s, da, db, ks > 0);
-          }
-          wg_commit();
-          wg_wait0();
+          const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
+          const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
+          wgmma_m64n32k16_ss(acc, da, db, ks > 0);
         }
+        wg_commit();
+      };
+      float s[16], s_next[16];
+      if (cx.ntiles > 0) {
+        issue_s(0, s);
+        wg_wait0();
+      }
+      for (int it = 0; it < cx.ntiles; ++it) {
+        const bool more = it + 1 < cx.ntiles;
+        if (warp == 0) KDTREE_WTRACE(0);
+        if (more) issue_s(it + 1, s_next);   // in flight until the end of this iteration
         if (warp == 0) KDTREE_WTRACE(1);
         // ---- scale, mask, online softmax (thread: rows wrow+g (+8), keys 8j + 2c (+1)) ----
         const int key0 = cx.k0 + it * kTileN;
@@ -266,6 +262,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         }
         bar_arrive(kBarPFull, kThreads);
         if (warp == 0) KDTREE_WTRACE(3);
+        if (more) {
+          wg_wait0();
+#pragma unroll
+          for (int i = 0; i < 16; ++i) s[i] = s_next[i];
+        }
       }
       finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l, [] { bar_sync(kBarBlock, kThreads); });
       __syncthreads();   // the item's shared memory is consumed before the next item starts
@@ -292,15 +293,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 
-      // prologue: tiles 0 .. kStages-1 on their way (each announces itself on its mbarrier)
-      long long slot[kKeyPasses], next[kKeyPasses];
-      gather_slots(prm, cx, 0, vt, slot);
+      // prologue: tiles 0 .. kStages-1 on their way (each announces itself when it has landed)
+      long long slot = gather_slot(prm, cx, 0, vt);
 #pragma unroll
       for (int t = 0; t < kStages; ++t) {
-        gather_slots(prm, cx, t + 1, vt, next);
+        const long long next = gather_slot(prm, cx, t + 1, vt);
         gather_tile(sm, prm, cx, t, t, vt, slot);
-#pragma unroll
-        for (int pass = 0; pass < kKeyPasses; ++pass) slot[pass] = next[pass];
+        slot = next;
       }
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();   // (a little later than the score WG's origin)
@@ -349,13 +348,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         if (warp == 4) KDTREE_WTRACE(6);
         if (it + 1 < cx.ntiles) bar_arrive(kBarPEmpty, kThreads);
         bar_sync(kBarValues, kValueThreads);   // both value WGs are done with buffer b
-        gather_slots(prm, cx, it + kStages + 1, vt, next);
+        const long long next = gather_slot(prm, cx, it + kStages + 1, vt);
         gather_tile(sm, prm, cx, it + kStages, b, vt, slot);
-#pragma unroll
-        for (int pass = 0; pass < kKeyPasses; ++pass) slot[pass] = next[pass];
+        slot = next;
         if (warp == 4) KDTREE_WTRACE(7);
       }
-      // every copy of the item landed: the score WG waited on all of its tiles
+      // every copy of the item has landed: the score WG waited on all of its tiles
       bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
