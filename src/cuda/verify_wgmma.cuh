@@ -44,8 +44,6 @@ constexpr int kPvSteps = kTileN / 16;       // 2
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarBlock = 1;
-constexpr int kBarPFull = 2;    // score WG arrives, value WGs wait: P/alpha of the tile published
-constexpr int kBarPEmpty = 3;   // value WGs arrive, score WG waits: P/alpha free again
 constexpr int kBarValues = 4;   // the two value WGs: the key tile consumed, may refill
 constexpr int kBarScore = 5;    // the score WG: q of the item in shared memory
 
@@ -59,7 +57,9 @@ struct Smem {
   float alpha[kBlockM];
   float row_m[kBlockM];
   float row_l[kBlockM];
-  unsigned long long full[kStages];
+  unsigned long long full[kStages];   // tile landed: 256 arrivals, one per value thread's copies
+  unsigned long long p_full;          // P / alpha of a tile published: 128 score-thread arrivals
+  unsigned long long p_empty;         // P / alpha consumed: 256 value-thread arrivals
   int item;
 #ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps (32-bit deltas) of warp 0 and warp 4
   unsigned trace[32][8];
@@ -79,6 +79,9 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {   // release semantics (.release.cta)
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
 __device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
@@ -151,6 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 
   if (tid == 0) {
     for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
+    mbar_init(&sm.p_full, 128);
+    mbar_init(&sm.p_empty, kValueThreads);
     fence_proxy_async();
   }
   __syncthreads();
@@ -158,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
   if (warp < 4) {
     // =========================== score warpgroup ===========================
     const int wrow = warp * 16;   // rows of this warp within the tile
-    uint32_t phase_bits = 0u;
+    uint32_t phase_bits = 0u, p_parity = 0u;
     for (;;) {
       if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
       __syncthreads();
@@ -240,7 +245,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         float alpha[2], m_use[2];
         softmax_advance(tmax, m_run, m_use, alpha);
         if (warp == 0) KDTREE_WTRACE(2);
-        if (it > 0) bar_sync(kBarPEmpty, kThreads);   // the value WGs are done with the previous P
+        if (it > 0) {   // the value WGs are done with the previous P / alpha
+          mbar_wait(&sm.p_empty, p_parity);
+          p_parity ^= 1u;
+        }
         float psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < kTileN / 8; ++j) {
@@ -260,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           sm.alpha[wrow + g] = alpha[0];
           sm.alpha[wrow + g + 8] = alpha[1];
         }
-        bar_arrive(kBarPFull, kThreads);
+        mbar_arrive(&sm.p_full);   // release: P and alpha of tile it published
         if (warp == 0) KDTREE_WTRACE(3);
         if (more) {
           wg_wait0();
@@ -286,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     const int vt = tid - 128;           // 0..255
     const int v = vt >> 7;              // value warpgroup: columns [256 v, 256 v + 256)
     const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
-    uint32_t phase_bits = 0u;
+    uint32_t phase_bits = 0u, p_parity = 0u;
     for (;;) {
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
@@ -312,7 +320,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % kStages;
         if (warp == 4) KDTREE_WTRACE(4);
-        bar_sync(kBarPFull, kThreads);
+        mbar_wait(&sm.p_full, p_parity);   // acquire: P / alpha of tile it
+        p_parity ^= 1u;
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // landed (the score WG saw it already)
         phase_bits ^= 1u << b;
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
@@ -346,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           wg_wait0();
         }
         if (warp == 4) KDTREE_WTRACE(6);
-        if (it + 1 < cx.ntiles) bar_arrive(kBarPEmpty, kThreads);
+        if (it + 1 < cx.ntiles) mbar_arrive(&sm.p_empty);   // release: done reading P / alpha
         bar_sync(kBarValues, kValueThreads);   // both value WGs are done with buffer b
         const long long next = gather_slot(prm, cx, it + kStages + 1, vt);
         gather_tile(sm, prm, cx, it + kStages, b, vt, slot);
