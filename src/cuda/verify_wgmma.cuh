@@ -44,6 +44,7 @@ constexpr int kPvSteps = kTileN / 16;       // 2
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarBlock = 1;
+constexpr int kBarPFull = 2;    // score WG arrives, value WGs wait: P/alpha of the tile published (RAW)
 constexpr int kBarValues = 4;   // the two value WGs: the key tile consumed, may refill
 constexpr int kBarScore = 5;    // the score WG: q of the item in shared memory
 
@@ -58,8 +59,7 @@ struct Smem {
   float row_m[kBlockM];
   float row_l[kBlockM];
   unsigned long long full[kStages];   // tile landed: 256 arrivals, one per value thread's copies
-  unsigned long long p_full;          // P / alpha of a tile published: 128 score-thread arrivals
-  unsigned long long p_empty;         // P / alpha consumed: 256 value-thread arrivals
+  unsigned long long p_empty;         // P / alpha consumed: 256 value-thread arrivals (release, WAR)
   int item;
 #ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps (32-bit deltas) of warp 0 and warp 4
   unsigned trace[32][8];
@@ -154,7 +154,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 
   if (tid == 0) {
     for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
-    mbar_init(&sm.p_full, 128);
     mbar_init(&sm.p_empty, kValueThreads);
     fence_proxy_async();
   }
@@ -268,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           sm.alpha[wrow + g] = alpha[0];
           sm.alpha[wrow + g + 8] = alpha[1];
         }
-        mbar_arrive(&sm.p_full);   // release: P and alpha of tile it published
+        bar_arrive(kBarPFull, kThreads);   // P and alpha of tile it published (the value WGs block in bar.sync)
         if (warp == 0) KDTREE_WTRACE(3);
         if (more) {
           wg_wait0();
@@ -294,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     const int vt = tid - 128;           // 0..255
     const int v = vt >> 7;              // value warpgroup: columns [256 v, 256 v + 256)
     const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
-    uint32_t phase_bits = 0u, p_parity = 0u;
+    uint32_t phase_bits = 0u;
     for (;;) {
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
@@ -320,8 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % kStages;
         if (warp == 4) KDTREE_WTRACE(4);
-        mbar_wait(&sm.p_full, p_parity);   // acquire: P / alpha of tile it
-        p_parity ^= 1u;
+        bar_sync(kBarPFull, kThreads);   // P / alpha of tile it
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // landed (the score WG saw it already)
         phase_bits ^= 1u << b;
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
