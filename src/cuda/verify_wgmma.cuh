@@ -59,6 +59,7 @@ struct Smem {
   float row_m[kBlockM];
   float row_l[kBlockM];
   unsigned long long full[kStages];   // tile landed: 256 arrivals, one per value thread's copies
+  unsigned long long p_full;          // P / alpha published: 128 score-thread arrivals (release, RAW)
   unsigned long long p_empty;         // P / alpha consumed: 256 value-thread arrivals (release, WAR)
   int item;
 #ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps (32-bit deltas) of warp 0 and warp 4
@@ -154,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 
   if (tid == 0) {
     for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
+    mbar_init(&sm.p_full, 128);
     mbar_init(&sm.p_empty, kValueThreads);
     fence_proxy_async();
   }
@@ -267,7 +269,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           sm.alpha[wrow + g] = alpha[0];
           sm.alpha[wrow + g + 8] = alpha[1];
         }
-        bar_arrive(kBarPFull, kThreads);   // P and alpha of tile it published (the value WGs block in bar.sync)
+        // P and alpha of tile it published: the mbarrier carries the release (memory order), the named
+        // barrier the wake-up (the value WGs sleep in bar.sync instead of spinning on the mbarrier)
+        mbar_arrive(&sm.p_full);
+        bar_arrive(kBarPFull, kThreads);
         if (warp == 0) KDTREE_WTRACE(3);
         if (more) {
           wg_wait0();
@@ -293,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     const int vt = tid - 128;           // 0..255
     const int v = vt >> 7;              // value warpgroup: columns [256 v, 256 v + 256)
     const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
-    uint32_t phase_bits = 0u;
+    uint32_t phase_bits = 0u, p_parity = 0u;
     for (;;) {
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
@@ -319,7 +324,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % kStages;
         if (warp == 4) KDTREE_WTRACE(4);
-        bar_sync(kBarPFull, kThreads);   // P / alpha of tile it
+        bar_sync(kBarPFull, kThreads);   // P / alpha of tile it: wake up ...
+        mbar_wait(&sm.p_full, p_parity);   // ... and acquire (complete by now)
+        p_parity ^= 1u;
         mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // landed (the score WG saw it already)
         phase_bits ^= 1u << b;
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
