@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds and runs the microbenchmarks on the GPU machine; output on stdout.
+#   bash benchmarks/micro/run.sh [wgmma] [gather] [contention]   (all three when none is named)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a micro_wgmma.cu -o /tmp/micro_wgmma
-nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a micro_gather.cu -o /tmp/micro_gather
-[ "${1:-all}" = gather ] || { echo "== wgmma issue rates"; /tmp/micro_wgmma; }
-echo "== key gather"; /tmp/micro_gather
+which=${*:-wgmma gather contention}
+for m in $which; do
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128 "micro_$m.cu" -o "/tmp/micro_$m"
+  echo "== micro_$m"
+  "/tmp/micro_$m"
+done

@@ -1,0 +1,122 @@
+// Microbenchmark: does the S chain of the wgmma split kernel slow down when the other warpgroups of
+// the SM gather keys (cp.async) or run P V (m64n256k16, B MN-major) at the same time?
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a micro_contention.cu -o /tmp/micro_contention
+// 1 CTA per SM, 3 warpgroups. WG0 runs `iters` rounds of 36 wgmma m64n32k16 (SS, one accumulator, the
+// kernel's descriptors) and reports clocks per wgmma; WG1/WG2 do MODE: 0 nothing, 1 a continuous cp.async
+// gather of random 1152-byte rows into a 4-stage ring (9 copies per thread per 32-key tile, as the
+// kernel), 2 a continuous P V loop (2 wgmma m64n256k16, B MN-major), 3 both, one after the other.
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <random>
+#include <algorithm>
+#include <cuda_runtime.h>
+#include "wgmma_ops.inc"
+
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+constexpr int kQ = 9 * 8192, kTile = 9 * 4096, kRing = 4 * kTile, kP = 8192;
+
+template <int MODE>
+__global__ void __launch_bounds__(384, 1) bench(const unsigned char* pool, const int* slots, int nslots, long long* out,
+                                                int iters, volatile int* stop) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char* sm = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
+  const uint32_t qb = smem_u32(sm), kb = qb + kQ, pb = kb + kRing;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  for (int i = threadIdx.x; i < (kQ + kRing + kP) / 4; i += 384) reinterpret_cast<uint32_t*>(sm)[i] = 0x3c003c00u ^ (i & 0xff);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  __shared__ int done;
+  if (threadIdx.x == 0) done = 0;
+  __syncthreads();
+  if (wg == 0) {
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    const long long t0 = clock64();
+    for (int r = 0; r < iters; ++r) {
+      const uint32_t kbase = kb + (r & 3) * kTile;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int ks = 0; ks < 36; ++ks)
+        wgmma_ss_n32(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
+                     desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
+      asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+    const long long t1 = clock64();
+    if (t == 0) { out[blockIdx.x] = t1 - t0; done = 1; }
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc += s[i];
+    if (acc == 1234.f) out[0] = 0;
+    return;
+  }
+  const int vt = threadIdx.x - 128;
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  unsigned seed = blockIdx.x * 977 + vt / 8;
+  for (int r = 0; *(volatile int*)&done == 0 && r < 1000000; ++r) {
+    if (MODE & 1) {   // one 32-key tile: key vt / 8, chunk vt % 8 of each slab
+      seed = seed * 1664525u + 1013904223u;
+      const int key = vt / 8, cc = vt % 8;
+      const unsigned char* src = pool + (long long)slots[seed % nslots] * 1152 + cc * 16;
+      const uint32_t dst = kb + (r & 3) * kTile + key * 128 + ((cc ^ (key & 7)) << 4);
+#pragma unroll
+      for (int slab = 0; slab < 9; ++slab)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + slab * 4096), "l"(src + slab * 128) : "memory");
+      asm volatile("cp.async.commit_group;\ncp.async.wait_group 3;\n" ::: "memory");
+    }
+    if (MODE & 2) {
+      const uint32_t vbase = kb + (r & 3) * kTile + (4 * (vt >> 7)) * 4096;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        wgmma_ss_n256_bt(o, desc_sw128(pb + kk * 32, 16, 1024), desc_sw128(vbase + kk * 2048, 4096, 1024));
+      asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc += o[i];
+  if (acc == 1234.f) out[1] = 0;
+}
+
+template <int MODE>
+void run(const char* what, const unsigned char* pool, const int* slots, int nslots, int sms) {
+  long long* d; int* stop;
+  cudaMalloc(&d, sms * 8); cudaMalloc(&stop, 4);
+  const int smem = kQ + kRing + kP + 1024;
+  cudaFuncSetAttribute(bench<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  bench<MODE><<<sms, 384, smem>>>(pool, slots, nslots, d, 20, stop);
+  bench<MODE><<<sms, 384, smem>>>(pool, slots, nslots, d, 200, stop);
+  cudaError_t e = cudaDeviceSynchronize();
+  std::vector<long long> h(sms);
+  cudaMemcpy(h.data(), d, sms * 8, cudaMemcpyDeviceToHost);
+  std::sort(h.begin(), h.end());
+  printf("%-34s | S wgmma m64n32k16: %6.1f clk each (median SM) %s\n", what, h[sms / 2] / (200.0 * 36), cudaGetErrorString(e));
+  cudaFree(d); cudaFree(stop);
+}
+
+int main() {
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int nrows = 1 << 21;
+  unsigned char* pool; int* slots;
+  cudaMalloc(&pool, (size_t)nrows * 1152);
+  cudaMemset(pool, 0, (size_t)nrows * 1152);
+  std::vector<int> perm(nrows);
+  for (int i = 0; i < nrows; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
+  cudaMalloc(&slots, nrows * 4);
+  cudaMemcpy(slots, perm.data(), nrows * 4, cudaMemcpyHostToDevice);
+  run<0>("alone", pool, slots, nrows, sms);
+  run<1>("+ cp.async gather (WG1, WG2)", pool, slots, nrows, sms);
+  run<2>("+ P V m64n256k16 MN-major (WG1, WG2)", pool, slots, nrows, sms);
+  run<3>("+ gather and P V", pool, slots, nrows, sms);
+  return 0;
+}
