@@ -6,7 +6,10 @@
 // MODE 0 cp.async 16 B (8 threads per key row); 1 one cp.async.bulk per key row (1152 B, mbarrier);
 // 2 TMA tensor copies, one 64-column slab (128 B) of one key each, 128-byte swizzle, straight into the
 //   [slab][key][128 B] layout wgmma reads (the first tile is checked against the pool);
-// 3 as 2, but a cluster of 3 CTAs shares each split: every CTA issues a third of the copies, multicast.
+// 3 as 2, but a cluster of 3 CTAs shares each split: every CTA issues a third of the copies, multicast;
+// 4 as 1 (one bulk copy per row), in a cluster of 3 CTAs sharing each split, each CTA issuing a third of
+//   the rows with .multicast::cluster (L2 read once per key, every SM still receives every key);
+// 5 as 4 without multicast (each CTA of the cluster copies every row itself): the control for 4.
 #include <algorithm>
 #include <cstdio>
 #include <cstdint>
@@ -36,18 +39,19 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const __grid_constant__ CU
   __shared__ __align__(8) uint64_t full[STAGES];
   const int nsplit = (nkeys + chunk - 1) / chunk, total = nsplit * reuse;
   const int tid = threadIdx.x;
-  const uint32_t rank = MODE == 3 ? cluster_rank() : 0;
+  constexpr bool kCluster = MODE >= 3;
+  const uint32_t rank = kCluster ? cluster_rank() : 0;
   if (tid == 0)
     for (int b = 0; b < STAGES; ++b)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[b])) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  if (MODE == 3) cluster_sync(); else __syncthreads();
+  if (kCluster) cluster_sync(); else __syncthreads();
   unsigned acc = 0;
   uint32_t phases = 0;
   int first = 1;
   for (int round = 0;; ++round) {
     int item;
-    if (MODE == 3) {   // one split per cluster, no persistence
+    if (kCluster) {   // one split per cluster, no persistence
       if (round > 0) break;
       item = (blockIdx.x / 3) * reuse;
     } else {
@@ -75,7 +79,16 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const __grid_constant__ CU
       if (tid == 0)
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(kTileBytes) : "memory");
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      if (MODE == 1) {
+      if (MODE == 4) {
+        if (tid < kTile && tid % 3 == (int)rank) {
+          const int key = min(k0 + t * kTile + tid, nkeys - 1);
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
+                       ::"r"(smem_u32(buf + tid * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes),
+                       "r"(smem_u32(bar)), "h"((unsigned short)7) : "memory");
+        }
+        return;
+      }
+      if (MODE == 1 || MODE == 5) {
         if (tid < kTile) {
           const int key = min(k0 + t * kTile + tid, nkeys - 1);
           asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -108,17 +121,19 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const __grid_constant__ CU
         phases ^= 1u << (t % STAGES);
       }
       acc ^= reinterpret_cast<const unsigned*>(buf)[tid * 7];
-      if (MODE >= 2 && first && t == 0 && tid < kTile * kSlabs / 8) {   // check the swizzled placement
+      if (first && t == 0 && tid < kTile * kSlabs / 8) {   // check where the first tile's bytes landed
         for (int i = tid; i < kTile * kSlabs; i += kTile * kSlabs / 8) {
           const int k = i / kSlabs, slab = i % kSlabs;
           const unsigned char* src = pool + (long long)slots[k0 + k] * kKeyBytes + slab * 128;
-          for (int c = 0; c < 8; ++c)
-            if (reinterpret_cast<const uint4*>(src + c * 16)->x !=
-                reinterpret_cast<const uint4*>(buf + slab * kSlabBytes + k * 128 + ((c ^ (k & 7)) << 4))->x)
+          for (int c = 0; c < 8; ++c) {
+            const int off = (MODE == 2 || MODE == 3) ? slab * kSlabBytes + k * 128 + ((c ^ (k & 7)) << 4)   // wgmma swizzle
+                                                     : k * kKeyBytes + slab * 128 + c * 16;                  // row-contiguous
+            if (reinterpret_cast<const uint4*>(src + c * 16)->x != reinterpret_cast<const uint4*>(buf + off)->x)
               atomicAdd(bad, 1);
+          }
         }
       }
-      if (MODE == 3) cluster_sync(); else __syncthreads();
+      if (kCluster) cluster_sync(); else __syncthreads();
     }
     first = 0;
     if (MODE == 0) asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -141,10 +156,10 @@ void run(const CUtensorMap& tmap, const unsigned char* pool, const int* slots, i
   const int nsplit = (nkeys + chunk - 1) / chunk;
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3(MODE == 3 ? nsplit * 3 : sms);
+  cfg.gridDim = dim3(MODE >= 3 ? nsplit * 3 : sms);
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
-  if (MODE == 3) {
+  if (MODE >= 3) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 3; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr; cfg.numAttrs = 1;
@@ -162,7 +177,8 @@ void run(const CUtensorMap& tmap, const unsigned char* pool, const int* slots, i
   }
   int hbad = 0; cudaMemcpy(&hbad, bad, 4, cudaMemcpyDeviceToHost);
   const double bytes = (double)nkeys * kKeyBytes * reuse;
-  static const char* names[] = {"cp.async 16B", "bulk per row", "TMA per slab", "TMA multicast x3"};
+  static const char* names[] = {"cp.async 16B", "bulk per row", "TMA per slab", "TMA multicast x3", "bulk multicast x3",
+                                "bulk cluster x3"};
   printf("%-17s stages %d chunk %5d reuse %d | %7.1f us | delivered %5.2f TB/s | unique %5.2f TB/s | misplaced %d | %s\n",
          names[MODE], STAGES, chunk, reuse, best * 1e3, bytes / (best * 1e-3) / 1e12, bytes / reuse / (best * 1e-3) / 1e12,
          hbad, cudaGetErrorString(cudaGetLastError()));
@@ -207,6 +223,9 @@ int main(int argc, char**) {
     run<3, 4>(tmap, pool, slots, nkeys, 1536, 3, sms);
     run<3, 6>(tmap, pool, slots, nkeys, 1536, 3, sms);
     run<3, 4>(tmap, pool, slots, nkeys, 512, 3, sms);
+    run<4, 4>(tmap, pool, slots, nkeys, 512, 3, sms);
+    run<4, 4>(tmap, pool, slots, nkeys, 1536, 3, sms);
+    run<5, 4>(tmap, pool, slots, nkeys, 512, 3, sms);
     return 0;
   }
   printf("-- L2-resident: 8192 keys (9.4 MB), each read 16 times\n");
