@@ -1,0 +1,223 @@
+// Microbenchmark: can a cluster of 3 SMs that all need every key (the three 64-row items of an H16 N9
+// split) get the keys into their shared memory faster than three independent gathers?
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a micro_cluster.cu -o /tmp/micro_cluster
+// Persistent 3-CTA clusters (one CTA per SM) walk splits round-robin; each split streams 32-key tiles
+// (1152-byte rows, random slots, row-major [key][1152 B]) through a STAGES-deep ring in every CTA of the
+// cluster. Per-stage mbarriers only (no cluster barrier per tile): `full` counts the bytes, `empty`
+// counts the three CTAs that have consumed the stage (remote arrive), so a producer refills a stage of
+// every CTA only when all three are done with it.
+// MODE 0: each CTA bulk-copies all 32 rows itself (three L2 reads per key: today's kernel);
+//      1: each CTA bulk-copies a third of the rows with .multicast::cluster into all three CTAs;
+//      2: each CTA bulk-copies a third of the rows into its own shared memory, then pushes that third
+//         to the two peers with shared::cta -> shared::cluster bulk copies (DSMEM).
+// Every tile's bytes are checked against the pool on the first split of each cluster.
+#include <algorithm>
+#include <cstdio>
+#include <cstdint>
+#include <random>
+#include <vector>
+#include <cuda_runtime.h>
+
+constexpr int kTile = 32, kKeyBytes = 1152, kTileBytes = kTile * kKeyBytes, kThreads = 128;
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r)); return r; }
+__device__ __forceinline__ uint32_t cluster_id() { uint32_t r; asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r)); return r; }
+__device__ __forceinline__ uint32_t nclusters() { uint32_t r; asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(r)); return r; }
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {   // my shared address -> rank's
+  uint32_t r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank)); return r;
+}
+__device__ __forceinline__ void wait_cluster(uint32_t bar, uint32_t parity) {   // acquire at cluster scope
+  asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
+               ::"r"(bar), "r"(parity) : "memory");
+}
+
+template <int MODE, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool, const int* slots, int nkeys, int chunk,
+                                                     unsigned* sink, int* bad) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ __align__(8) uint64_t full[STAGES], own[STAGES], empty[STAGES];
+  const int tid = threadIdx.x;
+  const uint32_t rank = cluster_rank();
+  const int nsplit = (nkeys + chunk - 1) / chunk;
+  // keys of a tile fetched by CTA r (modes 1, 2): [r * 11, min(32, r * 11 + 11))
+  const int my0 = rank * 11, my1 = min(kTile, my0 + 11);
+  if (tid == 0) {
+    for (int b = 0; b < STAGES; ++b) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[b])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&own[b])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(&empty[b])), "r"(MODE == 0 ? 1 : 3) : "memory");
+    }
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  cluster_sync();
+  unsigned acc = 0;
+  uint32_t full_ph = 0, own_ph = 0, empty_ph = 0;
+  long long issued = 0;   // tiles issued into the ring so far (all splits): stage = issued % STAGES
+  long long consumed = 0;
+  int first = 1;
+  for (int split = cluster_id(); split < nsplit; split += nclusters()) {
+    const int k0 = split * chunk, k1 = min(nkeys, k0 + chunk);
+    const int ntiles = (k1 - k0 + kTile - 1) / kTile;
+    // thread 0 issues (bulk copies are issued one at a time by one thread anyway), everyone consumes
+    auto issue = [&](int t) {
+      const int b = (int)(issued % STAGES);
+      if (issued >= STAGES) {   // all three CTAs are done with what stage b held
+        wait_cluster(smem_u32(&empty[b]), (empty_ph >> b) & 1u);
+        empty_ph ^= 1u << b;
+      }
+      ++issued;
+      unsigned char* buf = ring + b * kTileBytes;
+      const uint32_t fb = smem_u32(&full[b]);
+      const int mine = my1 - my0;
+      if (MODE == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes) : "memory");
+        for (int k = 0; k < kTile; ++k) {
+          const int key = min(k0 + t * kTile + k, nkeys - 1);
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                       ::"r"(smem_u32(buf + k * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes), "r"(fb)
+                       : "memory");
+        }
+      } else if (MODE == 1) {   // every CTA's full[b] receives all 32 rows (a third from each CTA)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes) : "memory");
+        for (int k = my0; k < my1; ++k) {
+          const int key = min(k0 + t * kTile + k, nkeys - 1);
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
+                       ::"r"(smem_u32(buf + k * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes), "r"(fb),
+                       "h"((unsigned short)7) : "memory");
+        }
+      } else {   // own third -> own[b]; the peers' thirds arrive on full[b] (pushed after they land there)
+        const uint32_t ob = smem_u32(&own[b]);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(ob), "r"(mine * kKeyBytes) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes - mine * kKeyBytes) : "memory");
+        for (int k = my0; k < my1; ++k) {
+          const int key = min(k0 + t * kTile + k, nkeys - 1);
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                       ::"r"(smem_u32(buf + k * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes), "r"(ob)
+                       : "memory");
+        }
+      }
+    };
+    auto push = [&](long long n) {   // mode 2: once our third of ring slot n has landed, copy it to both peers
+      const int b = (int)(n % STAGES);
+      asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
+                   ::"r"(smem_u32(&own[b])), "r"((own_ph >> b) & 1u) : "memory");
+      own_ph ^= 1u << b;
+      const uint32_t src = smem_u32(ring + b * kTileBytes + my0 * kKeyBytes);
+      for (uint32_t peer = 0; peer < 3; ++peer) {
+        if (peer == rank) continue;
+        asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                     ::"r"(mapa(src, peer)), "r"(src), "r"((my1 - my0) * kKeyBytes), "r"(mapa(smem_u32(&full[b]), peer))
+                     : "memory");
+      }
+    };
+    // mode 2 pushes tile t+1 at the end of iteration t (its own third was issued STAGES-1 tiles
+    // earlier, so thread 0 rarely waits for it), and tile 0 in the prologue
+    const long long base = issued;   // ring slot of tile 0 of this split
+    const int lead = min(STAGES, ntiles);
+    if (tid == 0) {
+      for (int t = 0; t < lead; ++t) issue(t);
+      if (MODE == 2) push(base);
+    }
+    for (int t = 0; t < ntiles; ++t) {
+      const int b = (int)(consumed % STAGES);
+      asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
+                   ::"r"(smem_u32(&full[b])), "r"((full_ph >> b) & 1u) : "memory");
+      full_ph ^= 1u << b;
+      if (MODE == 2 && tid != 0) {   // (thread 0 waited on own[] when it pushed)
+        asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
+                     ::"r"(smem_u32(&own[b])), "r"((own_ph >> b) & 1u) : "memory");
+        own_ph ^= 1u << b;
+      }
+      const unsigned char* buf = ring + b * kTileBytes;
+      acc ^= reinterpret_cast<const unsigned*>(buf)[tid * 9];
+      if (first && t == 0) {   // check the first tile of the first split: every row where it belongs
+        for (int i = tid; i < kTile * 72; i += kThreads) {
+          const int k = i / 72, c = i % 72;
+          if (*reinterpret_cast<const unsigned*>(pool + (long long)slots[k0 + k] * kKeyBytes + c * 16) !=
+              *reinterpret_cast<const unsigned*>(buf + k * kKeyBytes + c * 16))
+            atomicAdd(bad, 1);
+        }
+      }
+      __syncthreads();   // every thread of this CTA is done with stage b
+      ++consumed;
+      if (tid == 0) {
+        if (MODE == 0) {   // independent gathers: only our own producer waits for us
+          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(&empty[b])) : "memory");
+        } else {           // the stage is written by all three: tell all three producers
+          for (uint32_t peer = 0; peer < 3; ++peer)
+            asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
+                         ::"r"(mapa(smem_u32(&empty[b]), peer)) : "memory");
+        }
+        if (t + STAGES < ntiles) issue(t + STAGES);
+        if (MODE == 2 && t + 1 < ntiles) push(base + t + 1);
+      }
+    }
+    first = 0;
+  }
+  cluster_sync();   // no CTA leaves while a peer may still write into it or arrive on its barriers
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+
+__global__ void fill(unsigned* p, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    p[i] = (unsigned)(i * 2654435761u) ^ (unsigned)(i >> 17);
+}
+
+template <int MODE, int STAGES>
+void run(const unsigned char* pool, const int* slots, int nkeys, int chunk, int sms) {
+  int* bad; unsigned* sink;
+  cudaMalloc(&sink, 4); cudaMalloc(&bad, 4); cudaMemset(bad, 0, 4);
+  const int smem = STAGES * kTileBytes;
+  auto kern = gather<MODE, STAGES>;
+  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(sms / 3 * 3);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 3; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr; cfg.numAttrs = 1;
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  float best = 1e30f;
+  for (int rep = 0; rep < 6; ++rep) {
+    cudaEventRecord(e0);
+    cudaLaunchKernelEx(&cfg, kern, pool, slots, nkeys, chunk, sink, bad);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms; cudaEventElapsedTime(&ms, e0, e1);
+    if (rep > 0) best = std::min(best, ms);
+  }
+  int hbad = 0; cudaMemcpy(&hbad, bad, 4, cudaMemcpyDeviceToHost);
+  const double unique = (double)nkeys * kKeyBytes;
+  static const char* names[] = {"3 gathers", "multicast thirds", "DSMEM push thirds"};
+  printf("%-18s stages %d chunk %5d | %7.1f us | into SMs %5.2f TB/s | unique %5.2f TB/s | misplaced %d | %s\n", names[MODE],
+         STAGES, chunk, best * 1e3, 3 * unique / (best * 1e-3) / 1e12, unique / (best * 1e-3) / 1e12, hbad,
+         cudaGetErrorString(cudaGetLastError()));
+  cudaFree(sink); cudaFree(bad);
+}
+
+int main() {
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int nrows = 1 << 21, nkeys = 131072;
+  unsigned char* pool; int* slots;
+  cudaMalloc(&pool, (size_t)nrows * kKeyBytes);
+  fill<<<1024, 256>>>(reinterpret_cast<unsigned*>(pool), (size_t)nrows * kKeyBytes / 4);
+  std::vector<int> perm(nrows);
+  for (int i = 0; i < nrows; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
+  cudaMalloc(&slots, nkeys * 4);
+  cudaMemcpy(slots, perm.data(), nkeys * 4, cudaMemcpyHostToDevice);
+  for (int chunk : {1536, 512}) {
+    run<0, 4>(pool, slots, nkeys, chunk, sms);
+    run<1, 4>(pool, slots, nkeys, chunk, sms);
+    run<2, 4>(pool, slots, nkeys, chunk, sms);
+    run<0, 6>(pool, slots, nkeys, chunk, sms);
+    run<1, 6>(pool, slots, nkeys, chunk, sms);
+    run<2, 6>(pool, slots, nkeys, chunk, sms);
+  }
+  return 0;
+}
