@@ -7,5 +7,5 @@ which=${*:-wgmma gather contention cluster}
 for m in $which; do
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128 "micro_$m.cu" -o "/tmp/micro_$m"
   echo "== micro_$m"
-  "/tmp/micro_$m"
+  timeout 120 "/tmp/micro_$m" || echo "micro_$m: failed or timed out (rc=$?)"   # a hang costs device time
 done
