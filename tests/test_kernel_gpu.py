@@ -110,6 +110,15 @@ def test_ragged_batch():
     _check(out, args)
 
 
+def test_many_work_items_per_block():
+    # far more work items than SMs, of 1 to ~100 key tiles each: every block of the persistent grid
+    # runs many items back to back, so the split kernels' barrier phases carry across items of every length
+    prefixes = [int(x) for x in torch.randint(0, 3000, (64,), generator=torch.Generator().manual_seed(5))]
+    batch = make_verify_batch(prefixes, 16, 9, kind="tree", device="cuda", seed=23)
+    out, args = _run(batch)
+    _check(out, args)
+
+
 def test_empty_request_in_batch():
     batch = make_verify_batch([100, 0, 300], 4, 9, device="cuda", seed=2)
     out, args = _run(batch)
