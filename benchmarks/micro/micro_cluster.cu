@@ -17,15 +17,11 @@
 #include <random>
 #include <vector>
 #include <cuda_runtime.h>
+#include "micro_common.cuh"
 
 constexpr int kTile = 32, kKeyBytes = 1152, kTileBytes = kTile * kKeyBytes, kThreads = 128;
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r)); return r; }
 __device__ __forceinline__ uint32_t cluster_id() { uint32_t r; asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r)); return r; }
 __device__ __forceinline__ uint32_t nclusters() { uint32_t r; asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(r)); return r; }
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
 __device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {   // my shared address -> rank's
   uint32_t r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank)); return r;
 }
@@ -161,11 +157,6 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool,
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
-__global__ void fill(unsigned* p, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = (unsigned)(i * 2654435761u) ^ (unsigned)(i >> 17);
-}
-
 template <int MODE, int STAGES>
 void run(const unsigned char* pool, const int* slots, int nkeys, int chunk, int sms) {
   int* bad; unsigned* sink;
@@ -173,24 +164,9 @@ void run(const unsigned char* pool, const int* slots, int nkeys, int chunk, int 
   const int smem = STAGES * kTileBytes;
   auto kern = gather<MODE, STAGES>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3(sms / 3 * 3);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 3; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr; cfg.numAttrs = 1;
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  float best = 1e30f;
-  for (int rep = 0; rep < 6; ++rep) {
-    cudaEventRecord(e0);
-    cudaLaunchKernelEx(&cfg, kern, pool, slots, nkeys, chunk, sink, bad);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1);
-    if (rep > 0) best = std::min(best, ms);
-  }
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(sms / 3 * 3, kThreads, smem, 3, attr);
+  const float best = best_ms([&] { cudaLaunchKernelEx(&cfg, kern, pool, slots, nkeys, chunk, sink, bad); });
   int hbad = 0; cudaMemcpy(&hbad, bad, 4, cudaMemcpyDeviceToHost);
   const double unique = (double)nkeys * kKeyBytes;
   static const char* names[] = {"3 gathers", "multicast thirds", "DSMEM push thirds"};
@@ -203,14 +179,8 @@ void run(const unsigned char* pool, const int* slots, int nkeys, int chunk, int 
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int nrows = 1 << 21, nkeys = 131072;
-  unsigned char* pool; int* slots;
-  cudaMalloc(&pool, (size_t)nrows * kKeyBytes);
-  fill<<<1024, 256>>>(reinterpret_cast<unsigned*>(pool), (size_t)nrows * kKeyBytes / 4);
-  std::vector<int> perm(nrows);
-  for (int i = 0; i < nrows; ++i) perm[i] = i;
-  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
-  cudaMalloc(&slots, nkeys * 4);
-  cudaMemcpy(slots, perm.data(), nkeys * 4, cudaMemcpyHostToDevice);
+  unsigned char* pool = filled_pool(nrows, kKeyBytes);
+  int* slots = device_slots(shuffled_slots(nrows), nkeys);
   for (int chunk : {1536, 512}) {
     run<0, 4>(pool, slots, nkeys, chunk, sms);
     run<1, 4>(pool, slots, nkeys, chunk, sms);

@@ -11,13 +11,9 @@
 #include <random>
 #include <algorithm>
 #include <cuda_runtime.h>
+#include "micro_common.cuh"
 #include "wgmma_ops.inc"
 
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 constexpr int kQ = 9 * 8192, kTile = 9 * 4096, kRing = 4 * kTile, kP = 8192;
 
 template <int MODE>
@@ -106,14 +102,10 @@ void run(const char* what, const unsigned char* pool, const int* slots, int nslo
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int nrows = 1 << 21;
-  unsigned char* pool; int* slots;
+  unsigned char* pool;
   cudaMalloc(&pool, (size_t)nrows * 1152);
-  cudaMemset(pool, 0, (size_t)nrows * 1152);
-  std::vector<int> perm(nrows);
-  for (int i = 0; i < nrows; ++i) perm[i] = i;
-  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
-  cudaMalloc(&slots, nrows * 4);
-  cudaMemcpy(slots, perm.data(), nrows * 4, cudaMemcpyHostToDevice);
+  cudaMemset(pool, 0, (size_t)nrows * 1152);   // the data does not matter here
+  int* slots = device_slots(shuffled_slots(nrows), nrows);
   run<0>("alone", pool, slots, nrows, sms);
   run<1>("+ cp.async gather (WG1, WG2)", pool, slots, nrows, sms);
   run<2>("+ P V m64n256k16 MN-major (WG1, WG2)", pool, slots, nrows, sms);

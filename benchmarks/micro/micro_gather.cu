@@ -17,16 +17,12 @@
 #include <vector>
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include "micro_common.cuh"
 
 constexpr int kTile = 32, kKeyBytes = 1152, kChunks = kKeyBytes / 16, kSlabs = 9, kSlabBytes = kTile * 128;
 constexpr int kTileBytes = kTile * kKeyBytes, kThreads = 256;
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
   asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(phase) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r)); return r; }
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 template <int MODE, int STAGES>
@@ -141,11 +137,6 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const __grid_constant__ CU
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
-__global__ void fill(unsigned* p, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = (unsigned)(i * 2654435761u) ^ (unsigned)(i >> 17);
-}
-
 template <int MODE, int STAGES>
 void run(const CUtensorMap& tmap, const unsigned char* pool, const int* slots, int nkeys, int chunk, int reuse, int sms) {
   int *counter, *bad; unsigned* sink;
@@ -154,27 +145,10 @@ void run(const CUtensorMap& tmap, const unsigned char* pool, const int* slots, i
   auto kern = gather<MODE, STAGES>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int nsplit = (nkeys + chunk - 1) / chunk;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3(MODE >= 3 ? nsplit * 3 : sms);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  if (MODE >= 3) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 3; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr; cfg.numAttrs = 1;
-  }
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  float best = 1e30f;
-  for (int rep = 0; rep < 6; ++rep) {
-    cudaMemset(counter, 0, 4);
-    cudaEventRecord(e0);
-    cudaLaunchKernelEx(&cfg, kern, tmap, pool, slots, nkeys, chunk, reuse, counter, sink, bad);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1);
-    if (rep > 0) best = std::min(best, ms);
-  }
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(MODE >= 3 ? nsplit * 3 : sms, kThreads, smem, MODE >= 3 ? 3 : 1, attr);
+  const float best = best_ms([&] { cudaLaunchKernelEx(&cfg, kern, tmap, pool, slots, nkeys, chunk, reuse, counter, sink, bad); },
+                             [&] { cudaMemset(counter, 0, 4); });
   int hbad = 0; cudaMemcpy(&hbad, bad, 4, cudaMemcpyDeviceToHost);
   const double bytes = (double)nkeys * kKeyBytes * reuse;
   static const char* names[] = {"cp.async 16B", "bulk per row", "TMA per slab", "TMA multicast x3", "bulk multicast x3",
@@ -188,14 +162,9 @@ void run(const CUtensorMap& tmap, const unsigned char* pool, const int* slots, i
 int main(int argc, char**) {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int nrows = 1 << 21, nkeys = 131072;
-  unsigned char* pool; int* slots;
-  cudaMalloc(&pool, (size_t)nrows * kKeyBytes);
-  fill<<<1024, 256>>>(reinterpret_cast<unsigned*>(pool), (size_t)nrows * kKeyBytes / 4);
-  std::vector<int> perm(nrows);
-  for (int i = 0; i < nrows; ++i) perm[i] = i;
-  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
-  cudaMalloc(&slots, nkeys * 4);
-  cudaMemcpy(slots, perm.data(), nkeys * 4, cudaMemcpyHostToDevice);
+  unsigned char* pool = filled_pool(nrows, kKeyBytes);
+  std::vector<int> perm = shuffled_slots(nrows);
+  int* slots = device_slots(perm, nkeys);
   CUtensorMap tmap;
   const cuuint64_t dims[2] = {576, (cuuint64_t)nrows};
   const cuuint64_t strides[1] = {kKeyBytes};

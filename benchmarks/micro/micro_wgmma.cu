@@ -8,13 +8,9 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "micro_common.cuh"
 #include "wgmma_ops.inc"
 
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 constexpr int kASlab = 64 * 128;   // q: 64 rows x 64 bf16
 template <int NS, int KS, int KPV>

@@ -1,0 +1,84 @@
+// Pieces every microbenchmark in this folder uses (device aids, not part of the package).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <vector>
+#include <cuda_runtime.h>
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// Shared-memory matrix descriptor, 128-byte swizzle (as src/cuda/verify_wgmma.cuh builds it).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r)); return r; }
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// A recognisable, never-constant pool content, so a misplaced copy shows.
+__global__ void fill(unsigned* p, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    p[i] = (unsigned)(i * 2654435761u) ^ (unsigned)(i >> 17);
+}
+
+// A key pool of `rows` rows of `row_bytes`, filled by fill().
+inline unsigned char* filled_pool(int rows, int row_bytes) {
+  unsigned char* pool;
+  cudaMalloc(&pool, (size_t)rows * row_bytes);
+  fill<<<1024, 256>>>(reinterpret_cast<unsigned*>(pool), (size_t)rows * row_bytes / 4);
+  return pool;
+}
+
+// A random permutation of 0 .. n-1 (page-size-1 slots as a long-running server leaves them).
+inline std::vector<int> shuffled_slots(int n) {
+  std::vector<int> perm(n);
+  for (int i = 0; i < n; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
+  return perm;
+}
+
+// The first `count` entries of `slots` on the device.
+inline int* device_slots(const std::vector<int>& slots, int count) {
+  int* d;
+  cudaMalloc(&d, count * 4);
+  cudaMemcpy(d, slots.data(), count * 4, cudaMemcpyHostToDevice);
+  return d;
+}
+
+// Launch configuration of a 1-D grid, in clusters of `cluster` CTAs when cluster > 1 (attr must outlive cfg).
+inline cudaLaunchConfig_t launch_config(int grid, int block, int smem, int cluster, cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  if (cluster > 1) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster; attr.val.clusterDim.y = 1; attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr; cfg.numAttrs = 1;
+  }
+  return cfg;
+}
+
+// Best CUDA-event time of `launch()` in milliseconds over 5 runs after a warm-up run; `before()` runs
+// ahead of each, outside the timed span.
+template <typename F, typename G>
+float best_ms(F launch, G before) {
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  float best = 1e30f;
+  for (int rep = 0; rep < 6; ++rep) {
+    before();
+    cudaEventRecord(e0);
+    launch();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms; cudaEventElapsedTime(&ms, e0, e1);
+    if (rep > 0) best = std::min(best, ms);
+  }
+  return best;
+}
+template <typename F>
+float best_ms(F launch) { return best_ms(launch, [] {}); }
