@@ -165,6 +165,25 @@ __device__ __forceinline__ int owning_request(int batch, long long x, Start star
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+): the launcher starts each kernel of a call with
+// cudaLaunchAttributeProgrammaticStreamSerialization, so its blocks are scheduled while the previous
+// kernel still runs and wait here, before touching anything that kernel (or any earlier work on the
+// stream) wrote, until it has completed and its memory is visible. Every kernel of the chain waits
+// before it can finish, so completion is transitive. Launched without the attribute, both are no-ops.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next kernel's blocks be scheduled now (they still wait for this grid's completion).
+__device__ __forceinline__ void grid_dependency_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans).
 // ---------------------------------------------------------------------------------------------
 constexpr int kPlanThreads = 256;
@@ -175,6 +194,8 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   __shared__ int s_carry_items;
   __shared__ long long s_carry_rows;
   const int tid = threadIdx.x;
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // the indptr arrays may come from the previous kernel on the stream
   if (tid == 0) {
     s_carry_items = 0;
     s_carry_rows = 0;
@@ -330,6 +351,7 @@ struct ItemCtx {
   int ntiles;
 };
 
+
 // The work item `item` of the plan: its request, split, row tile and key range, for row tiles of
 // BlockM rows and key tiles of TileN keys (the split kernel's own sizes, as the plan used them).
 template <int BlockM, int TileN>
@@ -482,6 +504,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   const int lane = tid & 31;
   const int g = lane >> 2;  // mma group: row within an 8-row half
   const int c = lane & 3;   // thread in group: column pair
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // the plan kernel's counter and plan
   const int total = prm.counter[1];
   const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
   const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
@@ -756,13 +780,23 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine: one block per (verify token, head) row of a request that was split; fixed split order.
-// The split statistics are spread over the block (one split per thread, tree reductions) and the
-// weighted partial rows are read several at a time, so no loop walks the splits one load at a time.
+// Combine: one block per (verify token, head) row of a request that was split and per column slice
+// (grid = rows x kCombineMaxSlices), fixed split order. A row with many splits is cut into up to
+// kCombineMaxSlices slices of value columns, so a short request's few rows do not leave the GPU idle
+// (H16 N1 P131072: 16 rows x 264 splits in 16 blocks took 16 us); a row with few splits takes one
+// block (the spare blocks exit at once). Every block recomputes the row's split statistics (one
+// split per thread, tree reductions); its 4 x slices groups of threads each sum every
+// (4 x slices)-th split of the block's columns, 16 bytes per thread per load. The slice count comes
+// from the row's own split count and every sum has a fixed order: batch-invariant, deterministic.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
-constexpr int kCombineGroups = kCombineThreads / (kDimNope / 8);  // 4 groups of 64 threads x 8 columns
+constexpr int kCombineMaxSlices = 8;        // blockIdx.y
+constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
+
+__host__ __device__ constexpr int combine_slices(int nsplit) {
+  return nsplit <= 64 ? 1 : nsplit <= 128 ? 2 : nsplit <= 256 ? 4 : 8;
+}
 
 // Block-wide max or sum in a fixed tree order (deterministic); every thread gets the result.
 template <bool Max>
@@ -782,22 +816,29 @@ __device__ __forceinline__ float combine_block_reduce(float v, float* s_red) {
 }
 
 __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(Params prm) {
-  __shared__ float s_acc[kCombineGroups][kDimNope];
+  __shared__ float s_acc[kCombineAcc];
   __shared__ float s_w[kCombineThreads];   // weights of one chunk of 256 splits
   __shared__ float s_red[kCombineWarps];
+  grid_dependency_wait();                  // the split pass's partials (programmatic launch)
   const int tid = threadIdx.x;
   const int gr = blockIdx.x;                 // global row = t * H + h
   const int t = gr / prm.heads, h = gr - t * prm.heads;
   const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
   if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) return;   // block-uniform
+  const int slices = combine_slices(rp.nsplit);
+  if ((int)blockIdx.y >= slices) return;                                       // block-uniform
+  const int cols = kDimNope / slices;       // value columns of this block
+  const int lanes = cols / 8;               // threads per split row (8 columns each)
+  const int groups = kCombineThreads / lanes;
   const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
   const long long rstride = (long long)rp.n * prm.heads;
   const float* lse = prm.partial_lse + rp.partial_row + r;
   float mx = -INFINITY;
   for (int s = tid; s < rp.nsplit; s += kCombineThreads) mx = fmaxf(mx, lse[s * rstride]);
   mx = combine_block_reduce<true>(mx, s_red);
-  const int grp = tid / (kDimNope / 8);
-  const int col = (tid % (kDimNope / 8)) * 8;
+  const int grp = tid / lanes;
+  const int lcol = (tid % lanes) * 8;       // within the slice
+  const int col0 = blockIdx.y * cols;
   float acc[8] = {};
   float wpart = 0.f;
   if (mx != -INFINITY) {   // block-uniform
@@ -809,9 +850,10 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
       s_w[tid] = w;
       __syncthreads();
       const int cnt = min(kCombineThreads, rp.nsplit - base);
-      const __nv_bfloat16* src = prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col;
+      const __nv_bfloat16* src =
+          prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col0 + lcol;
 #pragma unroll 4
-      for (int i = grp; i < cnt; i += kCombineGroups) {
+      for (int i = grp; i < cnt; i += groups) {
         const float wi = s_w[i];
         const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)i * rstride * kDimNope);
         const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -826,23 +868,17 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
   }
   const float wsum = combine_block_reduce<false>(wpart, s_red);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) s_acc[grp][col + i] = acc[i];
+  for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i];
   __syncthreads();
-  if (grp == 0) {
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    uint4 res;
-    uint32_t* pr = reinterpret_cast<uint32_t*>(&res);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float v0 = 0.f, v1 = 0.f;
-#pragma unroll
-      for (int q = 0; q < kCombineGroups; ++q) {
-        v0 += s_acc[q][col + 2 * i];
-        v1 += s_acc[q][col + 2 * i + 1];
-      }
-      pr[i] = pack_bf16(v0 * inv, v1 * inv);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  for (int c = 2 * tid; c < cols; c += 2 * kCombineThreads) {   // one bf16 pair per step, groups in fixed order
+    float v0 = 0.f, v1 = 0.f;
+    for (int q = 0; q < groups; ++q) {
+      v0 += s_acc[q * cols + c];
+      v1 += s_acc[q * cols + c + 1];
     }
-    *reinterpret_cast<uint4*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col) = res;
+    *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
+        pack_bf16(v0 * inv, v1 * inv);
   }
 }
 
@@ -852,6 +888,8 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
 __global__ void kdtree_pack_tree_mask_kernel(const uint8_t* custom_mask, const int64_t* mask_indptr,
                                              const void* qo_indptr, int qo64, const int32_t* kv_indptr,
                                              int batch, int num_tokens, uint64_t* out, int words) {
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // custom_mask and the indptr arrays come from earlier work on the stream
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)num_tokens * words) return;
   const int t = (int)(idx / words);

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <utility>
+
 #include "kdtree_verify.h"
 #include "verify_kernel.cuh"
 #include "verify_wgmma.cuh"
@@ -66,6 +68,7 @@ enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90 };
 struct DeviceInfo {
   int sms;
   int kernel;   // SplitKernel
+  bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
 };
 
 cudaError_t configure_wgmma(int* blocks) {
@@ -110,7 +113,8 @@ DeviceInfo device_info(int dev, int* status) {
     }
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return {}; }
-    info[dev] = DeviceInfo{n, kernel};
+    // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0")};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -160,6 +164,25 @@ int validate(const kdtree_verify_params* p) {
   // rows r = n * H + h of one request and global rows t * H + h are int32 in the kernels
   if ((long long)p->num_tokens * p->num_heads >= (1ll << 31) / 2) return KDTREE_ERR_OVERFLOW;
   return KDTREE_OK;
+}
+
+// Launches `kernel` on `stream`; with `pdl`, as a programmatic dependent of the previous kernel in
+// the stream: its blocks may be scheduled before that kernel completes, and wait in
+// grid_dependency_wait() (verify_kernel.cuh) before reading anything. CUDA graphs capture the edge.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), unsigned grid_x, unsigned grid_y, int threads, size_t smem,
+                          cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid_x, grid_y, 1);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 #define KDTREE_TRY(expr)                 \
@@ -236,18 +259,19 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.partial_lse = reinterpret_cast<float*>(ws + lay.lse);
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
 
-  kdtree::kdtree_verify_plan_kernel<<<1, kdtree::kPlanThreads, 0, stream>>>(prm);
-  KDTREE_TRY(cudaGetLastError());
+  const bool pdl = dev.pdl;
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
   if (dev.kernel == kWgmma)
-    kdtree::wg::kdtree_verify_split_wgmma_kernel<<<sms, kdtree::wg::kThreads, kdtree::wg::kSmemBytes, stream>>>(prm);
+    KDTREE_TRY(launch_kernel(kdtree::wg::kdtree_verify_split_wgmma_kernel, sms, 1, kdtree::wg::kThreads,
+                             kdtree::wg::kSmemBytes, stream, pdl, prm));
   else if (dev.kernel == kMma2)
-    kdtree::kdtree_verify_split_kernel<2><<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>), stream>>>(prm);
+    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_split_kernel<2>, sms, 1, kdtree::kThreads,
+                             sizeof(kdtree::SharedStorage<2>), stream, pdl, prm));
   else
-    kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>
-        <<<sms, kdtree::kThreads, sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), stream>>>(prm);
-  KDTREE_TRY(cudaGetLastError());
-  kdtree::kdtree_verify_combine_kernel<<<p->num_tokens * p->num_heads, kdtree::kCombineThreads, 0, stream>>>(prm);
-  KDTREE_TRY(cudaGetLastError());
+    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, sms, 1, kdtree::kThreads,
+                             sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), stream, pdl, prm));
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)(p->num_tokens * p->num_heads),
+                           kdtree::kCombineMaxSlices, kdtree::kCombineThreads, 0, stream, pdl, prm));
   return KDTREE_OK;
 }
 
@@ -260,15 +284,15 @@ int kdtree_pack_tree_mask(const uint8_t* custom_mask, const int64_t* mask_indptr
   if (out_words < 1 || out_words > KDTREE_MAX_MASK_WORDS) return KDTREE_ERR_MASK_WORDS;
   if (qo_indptr_dtype != KDTREE_INDEX_INT32 && qo_indptr_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
   int status = KDTREE_OK;
-  current_device(&status);
+  const DeviceInfo dev = current_device(&status);
   if (status != KDTREE_OK) return status;
   const long long n = (long long)num_tokens * out_words;
   const int threads = 128;
   const long long blocks = (n + threads - 1) / threads;
-  kdtree::kdtree_pack_tree_mask_kernel<<<(unsigned)blocks, threads, 0, static_cast<cudaStream_t>(stream_ptr)>>>(
-      custom_mask, mask_indptr, qo_indptr, qo_indptr_dtype == KDTREE_INDEX_INT64, kv_indptr, batch_size, num_tokens,
-      out, out_words);
-  KDTREE_TRY(cudaGetLastError());
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)blocks, 1, threads, 0,
+                           static_cast<cudaStream_t>(stream_ptr), dev.pdl, custom_mask, mask_indptr, qo_indptr,
+                           qo_indptr_dtype == KDTREE_INDEX_INT64 ? 1 : 0, kv_indptr, batch_size, num_tokens, out,
+                           out_words));
   return KDTREE_OK;
 }
 

@@ -152,6 +152,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
   const int lane = tid & 31;
   const int g = lane >> 2;
   const int c = lane & 3;
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // the plan kernel's counter and plan
   const int total = prm.counter[1];
   const int H = prm.heads;
 
