@@ -57,7 +57,9 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool,
   for (int split = cluster_id(); split < nsplit; split += nclusters()) {
     const int k0 = split * chunk, k1 = min(nkeys, k0 + chunk);
     const int ntiles = (k1 - k0 + kTile - 1) / kTile;
-    // thread 0 issues (bulk copies are issued one at a time by one thread anyway), everyone consumes
+    // warp 0 issues: lane 0 waits for the stage and posts the byte count, then lane k copies key k of
+    // the tile (its slot loaded by that lane: no chain of dependent index loads in one thread)
+    const int lane = tid & 31;
     auto issue = [&](int t) {
       const int b = (int)(issued % STAGES);
       if (issued >= STAGES) {   // all three CTAs are done with what stage b held
@@ -68,32 +70,33 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool,
       unsigned char* buf = ring + b * kTileBytes;
       const uint32_t fb = smem_u32(&full[b]);
       const int mine = my1 - my0;
+      const int key = min(k0 + t * kTile + lane, nkeys - 1);
+      const long long slot = slots[key];
+      const unsigned char* src = pool + slot * kKeyBytes;
+      const uint32_t dst = smem_u32(buf + lane * kKeyBytes);
       if (MODE == 0) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes) : "memory");
-        for (int k = 0; k < kTile; ++k) {
-          const int key = min(k0 + t * kTile + k, nkeys - 1);
-          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                       ::"r"(smem_u32(buf + k * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes), "r"(fb)
-                       : "memory");
-        }
+        if (lane == 0)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes) : "memory");
+        __syncwarp();
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                     ::"r"(dst), "l"(src), "r"(kKeyBytes), "r"(fb) : "memory");
       } else if (MODE == 1) {   // every CTA's full[b] receives all 32 rows (a third from each CTA)
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes) : "memory");
-        for (int k = my0; k < my1; ++k) {
-          const int key = min(k0 + t * kTile + k, nkeys - 1);
+        if (lane == 0)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes) : "memory");
+        __syncwarp();
+        if (lane >= my0 && lane < my1)
           asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
-                       ::"r"(smem_u32(buf + k * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes), "r"(fb),
-                       "h"((unsigned short)7) : "memory");
-        }
+                       ::"r"(dst), "l"(src), "r"(kKeyBytes), "r"(fb), "h"((unsigned short)7) : "memory");
       } else {   // own third -> own[b]; the peers' thirds arrive on full[b] (pushed after they land there)
         const uint32_t ob = smem_u32(&own[b]);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(ob), "r"(mine * kKeyBytes) : "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes - mine * kKeyBytes) : "memory");
-        for (int k = my0; k < my1; ++k) {
-          const int key = min(k0 + t * kTile + k, nkeys - 1);
-          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                       ::"r"(smem_u32(buf + k * kKeyBytes)), "l"(pool + (long long)slots[key] * kKeyBytes), "r"(kKeyBytes), "r"(ob)
-                       : "memory");
+        if (lane == 0) {
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(ob), "r"(mine * kKeyBytes) : "memory");
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb), "r"(kTileBytes - mine * kKeyBytes) : "memory");
         }
+        __syncwarp();
+        if (lane >= my0 && lane < my1)
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                       ::"r"(dst), "l"(src), "r"(kKeyBytes), "r"(ob) : "memory");
       }
     };
     auto push = [&](long long n) {   // mode 2: once our third of ring slot n has landed, copy it to both peers
@@ -113,9 +116,9 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool,
     // earlier, so thread 0 rarely waits for it), and tile 0 in the prologue
     const long long base = issued;   // ring slot of tile 0 of this split
     const int lead = min(STAGES, ntiles);
-    if (tid == 0) {
+    if (tid < 32) {
       for (int t = 0; t < lead; ++t) issue(t);
-      if (MODE == 2) push(base);
+      if (MODE == 2 && lane == 0) push(base);
     }
     for (int t = 0; t < ntiles; ++t) {
       const int b = (int)(consumed % STAGES);
@@ -139,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool,
       }
       __syncthreads();   // every thread of this CTA is done with stage b
       ++consumed;
-      if (tid == 0) {
+      if (tid < 32 && lane == 0) {
         if (MODE == 0) {   // independent gathers: only our own producer waits for us
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(&empty[b])) : "memory");
         } else {           // the stage is written by all three: tell all three producers
@@ -147,8 +150,11 @@ __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool,
             asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
                          ::"r"(mapa(smem_u32(&empty[b]), peer)) : "memory");
         }
+      }
+      if (tid < 32) {
+        __syncwarp();
         if (t + STAGES < ntiles) issue(t + STAGES);
-        if (MODE == 2 && t + 1 < ntiles) push(base + t + 1);
+        if (MODE == 2 && lane == 0 && t + 1 < ntiles) push(base + t + 1);
       }
     }
     first = 0;
@@ -165,13 +171,18 @@ void run(const unsigned char* pool, const int* slots, int nkeys, int chunk, int 
   auto kern = gather<MODE, STAGES>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = launch_config(sms / 3 * 3, kThreads, smem, 3, attr);
+  // as many clusters as are co-resident (GPCs of 16-18 SMs leave some SMs out of 3-CTA clusters);
+  // a persistent grid larger than that would run its last clusters in a second wave
+  cudaLaunchConfig_t cfg = launch_config(sms / 3 * 3, kThreads, smem, 3, attr);
+  int clusters = 0;
+  cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg);
+  cfg.gridDim = dim3(3 * std::min(clusters, sms / 3));
   const float best = best_ms([&] { cudaLaunchKernelEx(&cfg, kern, pool, slots, nkeys, chunk, sink, bad); });
   int hbad = 0; cudaMemcpy(&hbad, bad, 4, cudaMemcpyDeviceToHost);
   const double unique = (double)nkeys * kKeyBytes;
   static const char* names[] = {"3 gathers", "multicast thirds", "DSMEM push thirds"};
-  printf("%-18s stages %d chunk %5d | %7.1f us | into SMs %5.2f TB/s | unique %5.2f TB/s | misplaced %d | %s\n", names[MODE],
-         STAGES, chunk, best * 1e3, 3 * unique / (best * 1e-3) / 1e12, unique / (best * 1e-3) / 1e12, hbad,
+  printf("%-18s %2d clusters stages %d chunk %5d | %7.1f us | into SMs %5.2f TB/s | unique %5.2f TB/s | misplaced %d | %s\n", names[MODE],
+         (int)cfg.gridDim.x / 3, STAGES, chunk, best * 1e3, 3 * unique / (best * 1e-3) / 1e12, unique / (best * 1e-3) / 1e12, hbad,
          cudaGetErrorString(cudaGetLastError()));
   cudaFree(sink); cudaFree(bad);
 }
