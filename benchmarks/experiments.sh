@@ -4,7 +4,8 @@
 # A variant is NONE or names joined by "+": a KDTREE_EXP_* knock-out (NO_GATHER, NO_SCORE_MMA, NO_PV_MMA,
 # TRACE; never set in a normal build) or D:NAME=VALUE for any other macro.
 # TRACE (-DKDTREE_EXP_TRACE) runs benchmarks/trace_case.py on KDTREE_TRACE_SHAPES instead of the benchmark.
-# KDTREE_EXP_TESTS=1 also runs the kernel's GPU tests on each variant.
+# KDTREE_EXP_TESTS=1 also runs the kernel's GPU tests on each variant; KDTREE_EXP_QUICK=0 lets
+# KDTREE_EXP_ONLY pick from the whole shape set (default: the --quick three).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
@@ -27,7 +28,8 @@ for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA}; do
     done
     continue
   fi
-  python3 benchmarks/bench.py --no-sglang --quick --only "${KDTREE_EXP_ONLY:-P131072}" --out /tmp/exp.json 2>&1 | grep -v "^\["
+  quick=--quick; [ "${KDTREE_EXP_QUICK:-1}" = 0 ] && quick=""   # 0: --only picks from the whole shape set
+  python3 benchmarks/bench.py --no-sglang $quick --only "${KDTREE_EXP_ONLY:-P131072}" --out /tmp/exp.json 2>&1 | grep -v "^\["
   if [ "${KDTREE_EXP_TESTS:-0}" = 1 ] && [[ "$v" != *NO_* ]]; then   # knock-outs fail the tests by design
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   fi

@@ -78,6 +78,16 @@ def test_long_prefix_split_k():
     _check(out, args)
 
 
+@pytest.mark.parametrize("prefix", [20000, 50000, 70000])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_combine_column_slices(prefix, tokens):
+    # one 64-row tile (H16, N <= 4) over a long prefix: ~80, ~200 and (on 132 SMs) the cap of 264
+    # splits, so the combine runs with 2, 4 and 8 column slices per row
+    batch = make_verify_batch([prefix], 16, tokens, kind="tree", device="cuda", seed=prefix + tokens)
+    out, args = _run(batch)
+    _check(out, args)
+
+
 @pytest.mark.parametrize("kind", ["tree", "chain", "star", "deep"])
 def test_tree_shapes(kind):
     batch = make_verify_batch([300, 5000], 16, 33, kind=kind, device="cuda", seed=3)
@@ -170,6 +180,34 @@ def test_non_default_stream():
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     _check(out, args)
+
+
+def test_programmatic_launch_on_and_off_agree():
+    """The call's kernels chained by programmatic dependent launch (default on sm_90+) and launched
+    plainly (KDTREE_PDL=0, read once per process: a child process) give bit-identical results."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, kdtree\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_kernel_gpu import _run\n"
+        "from kdtree.synthetic import make_verify_batch\n"
+        "out, _ = _run(make_verify_batch([30000, 700], 16, 9, device='cuda', seed=41))\n"
+        "torch.save(out.cpu(), sys.argv[2])\n"
+    )
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "out.pt")
+        env = dict(os.environ, KDTREE_PDL="0")
+        r = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), path],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        plain = torch.load(path)
+    out, args = _run(make_verify_batch([30000, 700], 16, 9, device="cuda", seed=41))
+    _check(out, args)
+    assert torch.equal(out.cpu(), plain), "KDTREE_PDL=0 and the default launch differ"
 
 
 def test_cuda_graph_capture_and_replay():
