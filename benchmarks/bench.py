@@ -73,10 +73,11 @@ def sglang_extend():
         return None
 
 
-def run_shape(s, extend_fwd, seed):
-    b = make_verify_batch(s["prefixes"], s["heads"], s["n"], kind="tree", pad=s.get("pad", 0),
-                          causal_none=s.get("causal_none", False), device="cuda", seed=seed,
-                          shuffle=s.get("shuffle", True), min_pool_slots=MIN_POOL_SLOTS, poison=False)
+def verify_call(prefixes, heads, n, seed, **batch_kw):
+    """A benchmark batch on the GPU and the timed call on it: (batch, out, kd); kd() rebuilds the tree
+    mask from SGLang's custom_mask and runs kdtree.verify_attention into out (the whole verify call)."""
+    b = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=seed,
+                          min_pool_slots=MIN_POOL_SLOTS, poison=False, **batch_kw)
     t, h = b.q.shape[:2]
     q_nope, q_pe = split_mla_q(b.q)
     kv = kv_cache_2d(b.kv_buffer)
@@ -87,6 +88,13 @@ def run_shape(s, extend_fwd, seed):
         kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
                                 b.sm_scale, out=out)
 
+    return b, out, kd
+
+
+def run_shape(s, extend_fwd, seed):
+    b, out, kd = verify_call(s["prefixes"], s["heads"], s["n"], seed, pad=s.get("pad", 0),
+                             causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
+    t, h = b.q.shape[:2]
     kd()
     torch.cuda.synchronize()
     kd_ms = bench_ms(kd, 300)

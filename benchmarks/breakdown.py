@@ -13,23 +13,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kdtree
-from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
-from kdtree.synthetic import make_verify_batch
+from bench import verify_call  # benchmarks/bench.py: the same batch and call as the benchmark
 
 
 def one(prefix: int, n: int, heads: int, calls: int = 20) -> None:
-    b = make_verify_batch([prefix], heads, n, kind="tree", device="cuda", seed=3, min_pool_slots=262_144,
-                          poison=False)
-    t = b.q.shape[0]
-    q_nope, q_pe = split_mla_q(b.q)
-    kv = kv_cache_2d(b.kv_buffer)
-    out = torch.empty(t, heads, 512, dtype=torch.bfloat16, device="cuda")
-
-    def call():
-        tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
-        kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
-                                b.sm_scale, out=out)
+    _, _, call = verify_call([prefix], heads, n, seed=3)
 
     for _ in range(5):
         call()
