@@ -8,8 +8,9 @@
 // "regs":   warps read whole rows into registers with 16-byte ld.global.nc (lane l: chunks l, l + 32,
 //           l + 64 < 72), U rows per warp in flight, the data folded into a checksum (no shared memory);
 //           blocks per SM x threads per block varied.
-// "cp.async": 16-byte cp.async into a 4-deep shared ring of 32-key tiles, THREADS per CTA (1 CTA per
-//           SM); each thread loads the slots of its chunks before issuing its copies (as the kernel does).
+// "cp.async": 16-byte cp.async into a shared ring of 32-key tiles (4 deep with 1 CTA per SM, 3 deep
+//           with 2), 256-1152 threads per CTA; each thread loads the slots of its chunks before issuing
+//           its copies (as the kernel does).
 // "contiguous" rows (slot i = i) bound each method from above.
 #include <algorithm>
 #include <cstdio>
@@ -18,7 +19,7 @@
 #include <cuda_runtime.h>
 #include "micro_common.cuh"
 
-constexpr int kKeyBytes = 1152, kChunks = kKeyBytes / 16, kTile = 32, kTileBytes = kTile * kKeyBytes, kStages = 4;
+constexpr int kKeyBytes = 1152, kChunks = kKeyBytes / 16, kTile = 32, kTileBytes = kTile * kKeyBytes;
 
 template <int U>
 __global__ void regs(const uint4* pool, const int* slots, int nkeys, unsigned* sink) {
@@ -45,7 +46,7 @@ __global__ void regs(const uint4* pool, const int* slots, int nkeys, unsigned* s
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
-template <int THREADS>
+template <int THREADS, int kStages>
 __global__ void __launch_bounds__(THREADS, 1) ring(const unsigned char* pool, const int* slots, int nkeys, int chunk,
                                                   unsigned* sink) {
   extern __shared__ __align__(128) unsigned char buf[];
@@ -98,14 +99,14 @@ void run_regs(const char* what, const unsigned char* pool, const int* slots, int
   cudaFree(sink);
 }
 
-template <int THREADS>
-void run_ring(const char* what, const unsigned char* pool, const int* slots, int nkeys, int sms) {
+template <int THREADS, int STAGES>
+void run_ring(const char* what, const unsigned char* pool, const int* slots, int nkeys, int sms, int per_sm) {
   unsigned* sink; cudaMalloc(&sink, 4);
-  const int smem = kStages * kTileBytes;
-  cudaFuncSetAttribute(ring<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const float ms = best_ms([&] { ring<THREADS><<<sms, THREADS, smem>>>(pool, slots, nkeys, 512, sink); });
-  printf("cp.async  %-10s 1 x %4d threads/SM, 4 x 32-key ring      | %7.1f us | %5.2f TB/s | %s\n", what, THREADS,
-         ms * 1e3, (double)nkeys * kKeyBytes / (ms * 1e-3) / 1e12, cudaGetErrorString(cudaGetLastError()));
+  const int smem = STAGES * kTileBytes;
+  cudaFuncSetAttribute(ring<THREADS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const float ms = best_ms([&] { ring<THREADS, STAGES><<<sms * per_sm, THREADS, smem>>>(pool, slots, nkeys, 512, sink); });
+  printf("cp.async  %-10s %d x %4d threads/SM, %d x 32-key ring      | %7.1f us | %5.2f TB/s | %s\n", what, per_sm, THREADS,
+         STAGES, ms * 1e3, (double)nkeys * kKeyBytes / (ms * 1e-3) / 1e12, cudaGetErrorString(cudaGetLastError()));
   cudaFree(sink);
 }
 
@@ -125,10 +126,12 @@ int main() {
     run_regs<1>(what, pool, slots, nkeys, sms, 2, 1024);
     run_regs<2>(what, pool, slots, nkeys, sms, 2, 1024);
     run_regs<4>(what, pool, slots, nkeys, sms, 2, 1024);
-    run_ring<256>(what, pool, slots, nkeys, sms);
-    run_ring<512>(what, pool, slots, nkeys, sms);
-    run_ring<768>(what, pool, slots, nkeys, sms);
-    run_ring<1152>(what, pool, slots, nkeys, sms);
+    run_ring<256, 4>(what, pool, slots, nkeys, sms, 1);
+    run_ring<512, 4>(what, pool, slots, nkeys, sms, 1);
+    run_ring<768, 4>(what, pool, slots, nkeys, sms, 1);
+    run_ring<1152, 4>(what, pool, slots, nkeys, sms, 1);
+    run_ring<256, 3>(what, pool, slots, nkeys, sms, 2);   // two CTAs per SM (110.6 KB each)
+    run_ring<512, 3>(what, pool, slots, nkeys, sms, 2);
   }
   return 0;
 }
