@@ -237,6 +237,43 @@ def test_bad_out_is_named(breaker, exc, message):
         call(args, out=breaker(args))
 
 
+def test_structure_checks_are_cached_per_signature(monkeypatch):
+    # a second call with the same tensor signatures skips the structural checks (and gets the same
+    # result); a changed signature is checked afresh; the cache stays bounded
+    from kdtree import ops
+
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    ops._CHECKED.clear()
+    first = call(args)
+    assert len(ops._CHECKED) == 1
+    checks = []
+    monkeypatch.setattr(ops, "_check_structure", lambda *a: checks.append(1) or pytest.fail("not cached"))
+    assert torch.equal(call(args), first)
+    assert not checks
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="q_pe must be bfloat16"):   # new signature: checked, refused
+        call(dict(args, q_pe=args["q_pe"].float()))
+    assert len(ops._CHECKED) == 1
+    monkeypatch.setattr(ops, "verify_attention_reference", lambda *a, **k: torch.zeros(1, 1, 512))
+    for t in range(ops._CHECKED_MAX + 10):   # distinct signatures (the stubbed reference keeps it quick)
+        q = torch.zeros(t + 1, 1, 512, dtype=torch.bfloat16)
+        verify_attention(q, torch.zeros(t + 1, 1, 64, dtype=torch.bfloat16), torch.zeros(4, 576, dtype=torch.bfloat16),
+                         torch.tensor([0, 0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                         torch.tensor([0, t + 1], dtype=torch.int32), torch.zeros(t + 1, 576, dtype=torch.bfloat16),
+                         None, SM_SCALE)
+        assert len(ops._CHECKED) <= ops._CHECKED_MAX
+
+
+def test_tensor_subclasses_take_the_full_checks():
+    from kdtree import ops
+
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    ops._CHECKED.clear()
+    out = call(dict(args, q_nope=torch.nn.Parameter(args["q_nope"], requires_grad=False)))
+    assert torch.equal(out, call(args))
+    assert len(ops._CHECKED) == 1   # only the plain-tensor call was cached
+
+
 def test_too_many_heads():
     args, _ = batch_args((4,), 2, 1)
     T = args["q_nope"].shape[0]

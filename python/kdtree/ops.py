@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -175,55 +175,45 @@ def workspace_for(device: torch.device, nbytes: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# public API
+# structural validation, cached by argument signature
 # --------------------------------------------------------------------------------------------
 
-def verify_attention(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    k_new: torch.Tensor,
-    tree_mask: Optional[torch.Tensor],
-    sm_scale: float,
-    *,
-    out: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Paged tree-verify attention over MLA latents for a batch of B requests.
+class _Checked(NamedTuple):
+    """What the structural checks derive from a valid set of arguments."""
+    device: torch.device
+    T: int
+    H: int
+    B: int
+    words: int
+    q_nope_st: int
+    q_nope_sh: int
+    q_pe_st: int
+    q_pe_sh: int
+    kv_st: int
+    k_new_st: int
 
-    Request b owns verify rows ``qo_indptr[b]:qo_indptr[b+1]`` (N_b tokens) and a committed prefix of
-    P_b = ``kv_indptr[b+1] - kv_indptr[b]`` pool slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
-    Each row attends to all P_b prefix keys plus the drafts of its request that ``tree_mask``
-    allows (bit j of word ``j // 64``), or drafts ``j <= n`` when ``tree_mask`` is None.
-    ``score = sm_scale * (q_nope . key[:512] + q_pe . key[512:])``, values are ``key[:512]``.
-    A row that sees no key gets zeros.
 
-    Args:
-        q_nope: ``[T, H, 512]`` bfloat16, last dim contiguous, any t/h strides (a view of SGLang's q).
-        q_pe: ``[T, H, 64]`` bfloat16, same T and H, last dim contiguous.
-        kv_cache: ``[S, 576]`` bfloat16 latent pool (see :func:`kdtree.layout.kv_cache_2d`),
-            row stride >= 576, last dim contiguous.
-        kv_indptr: ``[B + 1]`` int32.
-        kv_indices: 1-D int32 or int64 slot ids (may be longer than ``kv_indptr[B]``).
-        qo_indptr: ``[B + 1]`` int32 or int64, ``qo_indptr[B] == T``.
-        k_new: ``[T, 576]`` bfloat16, the verify tokens' own latent rows (row stride >= 576).
-        tree_mask: ``[T, W]`` int64 with ``1 <= W <= 8`` (see :func:`kdtree.layout.build_tree_mask`),
-            or None for a causal chain.
-        sm_scale: positive finite host float (SGLang's ``layer.scaling``).
-        out: optional ``[T, H, 512]`` bfloat16 written in place (last dim contiguous).
-        workspace: optional CUDA uint8 tensor of at least ``kdtree._verify.workspace_size(B, T, H)``
-            bytes, 256-byte aligned; default: the per-device grow-only cache (see the module docs
-            for CUDA graphs).
-    Returns:
-        ``out`` (allocated with ``torch.empty`` when not given), ``[T, H, 512]`` bfloat16.
+_CHECKED: Dict[tuple, _Checked] = {}   # argument signature -> its checked structure
+_CHECKED_MAX = 256                      # distinct signatures kept (cleared when full)
 
-    Raises:
-        TypeError / ValueError naming the offending argument; ``kdtree.KdtreeError`` if the kernel
-        rejects the launch; ImportError for CUDA tensors when the extension is not built.
-    """
+
+def _signature(tensors) -> Optional[tuple]:
+    """(dtype, device, shape, strides) of every argument, or None unless each is a plain
+    torch.Tensor or None (anything else takes the full checks, which name it)."""
+    sig = []
+    for t in tensors:
+        if t is None:
+            sig.append(None)
+        elif type(t) is torch.Tensor:
+            sig.append((t.dtype, t.device, t.shape, t.stride()))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _check_structure(q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, out) -> _Checked:
+    """Every check of verify_attention's arguments that reads only types, dtypes, devices, shapes
+    and strides (never values or pointers); raises TypeError / ValueError naming the argument."""
     _tensor(q_nope, "q_nope")
     device = q_nope.device
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
@@ -287,8 +277,6 @@ def verify_attention(
         if not tree_mask.is_contiguous():  # the ABI has no row stride for it: [T, W] dense
             raise ValueError(f"tree_mask must be contiguous ([T, W] row-major), got strides {tree_mask.stride()}")
 
-    scale = _sm_scale(sm_scale)
-
     if out is not None:
         _tensor(out, "out")
         _dtype(out, "out", torch.bfloat16)
@@ -297,6 +285,75 @@ def verify_attention(
         _shape(out, "out", (T, H, HEAD_DIM_V), f"[T, H, {HEAD_DIM_V}]")
         _last_dim_contiguous(out, "out")
         _row_strides(out, "out", HEAD_DIM_V)
+
+    return _Checked(device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+def verify_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k_new: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    *,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Paged tree-verify attention over MLA latents for a batch of B requests.
+
+    Request b owns verify rows ``qo_indptr[b]:qo_indptr[b+1]`` (N_b tokens) and a committed prefix of
+    P_b = ``kv_indptr[b+1] - kv_indptr[b]`` pool slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+    Each row attends to all P_b prefix keys plus the drafts of its request that ``tree_mask``
+    allows (bit j of word ``j // 64``), or drafts ``j <= n`` when ``tree_mask`` is None.
+    ``score = sm_scale * (q_nope . key[:512] + q_pe . key[512:])``, values are ``key[:512]``.
+    A row that sees no key gets zeros.
+
+    Args:
+        q_nope: ``[T, H, 512]`` bfloat16, last dim contiguous, any t/h strides (a view of SGLang's q).
+        q_pe: ``[T, H, 64]`` bfloat16, same T and H, last dim contiguous.
+        kv_cache: ``[S, 576]`` bfloat16 latent pool (see :func:`kdtree.layout.kv_cache_2d`),
+            row stride >= 576, last dim contiguous.
+        kv_indptr: ``[B + 1]`` int32.
+        kv_indices: 1-D int32 or int64 slot ids (may be longer than ``kv_indptr[B]``).
+        qo_indptr: ``[B + 1]`` int32 or int64, ``qo_indptr[B] == T``.
+        k_new: ``[T, 576]`` bfloat16, the verify tokens' own latent rows (row stride >= 576).
+        tree_mask: ``[T, W]`` int64 with ``1 <= W <= 8`` (see :func:`kdtree.layout.build_tree_mask`),
+            or None for a causal chain.
+        sm_scale: positive finite host float (SGLang's ``layer.scaling``).
+        out: optional ``[T, H, 512]`` bfloat16 written in place (last dim contiguous).
+        workspace: optional CUDA uint8 tensor of at least ``kdtree._verify.workspace_size(B, T, H)``
+            bytes, 256-byte aligned; default: the per-device grow-only cache (see the module docs
+            for CUDA graphs).
+    Returns:
+        ``out`` (allocated with ``torch.empty`` when not given), ``[T, H, 512]`` bfloat16.
+
+    Raises:
+        TypeError / ValueError naming the offending argument; ``kdtree.KdtreeError`` if the kernel
+        rejects the launch; ImportError for CUDA tensors when the extension is not built.
+    """
+    # Structural checks (types, dtypes, devices, shapes, strides) depend only on each tensor's
+    # signature; a call whose signature passed before skips them (SGLang repeats one signature per
+    # layer and step). Values, pointers and the workspace are checked on every call below.
+    key = _signature((q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, out))
+    checked = _CHECKED.get(key) if key is not None else None
+    if checked is None:
+        checked = _check_structure(q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, out)
+        if key is not None:
+            if len(_CHECKED) >= _CHECKED_MAX:
+                _CHECKED.clear()
+            _CHECKED[key] = checked
+    device, T, H, B, words = checked.device, checked.T, checked.H, checked.B, checked.words
+    q_nope_st, q_nope_sh, q_pe_st, q_pe_sh = checked.q_nope_st, checked.q_nope_sh, checked.q_pe_st, checked.q_pe_sh
+    kv_st, k_new_st = checked.kv_st, checked.k_new_st
+    scale = _sm_scale(sm_scale)
 
     if device.type != "cuda":
         if workspace is not None:
