@@ -274,6 +274,51 @@ def test_tensor_subclasses_take_the_full_checks():
     assert len(ops._CHECKED) == 1   # only the plain-tensor call was cached
 
 
+def test_cuda_branch_launches_the_checked_layout(monkeypatch):
+    # the CUDA branch of verify_attention run on CPU tensors with the device, the stream and the
+    # extension stubbed: the launch gets the sizes and strides the checks derived, on the first
+    # (checked) and the second (cached) call alike
+    import contextlib
+    import types
+
+    from kdtree import _ext, ops
+
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    launches = []
+
+    class FakeExt:
+        def workspace_size(self, b, t, h):
+            return 4096
+
+        def launch(self, **kw):
+            launches.append(kw)
+
+    ws = torch.empty(8192, dtype=torch.uint8)
+    ws = ws[(-ws.data_ptr()) % 256:][:4096]   # 256-byte aligned, like the real workspace
+    real = ops._check_structure
+    monkeypatch.setattr(ops, "_check_structure", lambda *a: real(*a)._replace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(_ext, "load", lambda: FakeExt())
+    monkeypatch.setattr(ops, "workspace_for", lambda device, nbytes: ws)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=1234))
+    ops._CHECKED.clear()
+    out = torch.empty(27, 3, 512, dtype=torch.bfloat16)
+    call(args, out=out)
+    call(args, out=out)
+    assert len(launches) == 2 and launches[0] == launches[1]
+    kw = launches[0]
+    q_nope, q_pe, kv, k_new = args["q_nope"], args["q_pe"], args["kv_cache"], args["k_new"]
+    assert (kw["num_tokens"], kw["num_heads"], kw["batch_size"]) == (27, 3, 3)
+    assert (kw["q_nope_stride_t"], kw["q_nope_stride_h"]) == (q_nope.stride(0), q_nope.stride(1))
+    assert (kw["q_pe_stride_t"], kw["q_pe_stride_h"]) == (q_pe.stride(0), q_pe.stride(1))
+    assert kw["kv_stride_s"] == kv.stride(0) and kw["k_new_stride_t"] == k_new.stride(0)
+    assert (kw["out_stride_t"], kw["out_stride_h"]) == (out.stride(0), out.stride(1))
+    assert kw["tree_mask_words"] == args["tree_mask"].shape[1] and kw["tree_mask"] == args["tree_mask"].data_ptr()
+    assert kw["q_nope"] == q_nope.data_ptr() and kw["out"] == out.data_ptr() and kw["kv_cache"] == kv.data_ptr()
+    assert kw["num_slots"] == kv.shape[0] and kw["sm_scale"] == SM_SCALE
+    assert kw["workspace"] == ws.data_ptr() and kw["workspace_bytes"] == 4096 and kw["stream"] == 1234
+
+
 def test_too_many_heads():
     args, _ = batch_args((4,), 2, 1)
     T = args["q_nope"].shape[0]
