@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kdtree
-from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q
+from kdtree.layout import build_tree_mask, split_mla_q
 from kdtree.reference import verify_attention_reference
 from kdtree.synthetic import make_verify_batch
 
@@ -23,17 +23,8 @@ LARGE = os.environ.get("KDTREE_TEST_LARGE") == "1"
 REL_TOL = 1e-2
 
 
-def _inputs(batch):
-    q_nope, q_pe = split_mla_q(batch.q)
-    kv = kv_cache_2d(batch.kv_buffer)
-    t = batch.q.shape[0]
-    tree = build_tree_mask(batch.custom_mask, batch.mask_indptr, batch.qo_indptr, batch.kv_indptr, t, batch.max_n)
-    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv, kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices,
-                qo_indptr=batch.qo_indptr, k_new=batch.k[:, 0], tree_mask=tree, sm_scale=batch.sm_scale)
-
-
 def _run(batch, **kw):
-    args = _inputs(batch)
+    args = batch.verify_args()
     t, h = batch.q.shape[:2]
     out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=batch.q.device)
     kdtree.verify_attention(**args, out=out, **kw)
@@ -137,7 +128,7 @@ def test_empty_request_in_batch():
 
 def test_index_dtypes():
     batch = make_verify_batch([3000, 17], 16, 9, device="cuda", seed=8)
-    args = _inputs(batch)
+    args = batch.verify_args()
     args["kv_indices"] = args["kv_indices"].to(torch.int32)
     args["qo_indptr"] = args["qo_indptr"].to(torch.int64)   # SGLang's dtype under CUDA graphs
     out = kdtree.verify_attention(**args)
@@ -160,7 +151,7 @@ def test_deterministic_and_batch_invariant():
     assert torch.equal(out1, out2), "two runs on the same inputs differ"
     # the same request inside a batch (other requests around it) gives bit-identical rows
     big = make_verify_batch([500, 20000, 3000], 16, 9, device="cuda", seed=9)
-    big_args = _inputs(big)
+    big_args = big.verify_args()
     lo, hi = int(big.kv_indptr[1]), int(big.kv_indptr[2])
     big.kv_buffer[big.kv_indices[lo:hi]] = solo.kv_buffer[solo.kv_indices]
     big.q[9:18] = solo.q
@@ -172,7 +163,7 @@ def test_deterministic_and_batch_invariant():
 
 def test_non_default_stream():
     batch = make_verify_batch([5000, 3], 16, 9, device="cuda", seed=12)
-    args = _inputs(batch)
+    args = batch.verify_args()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -212,7 +203,7 @@ def test_programmatic_launch_on_and_off_agree():
 
 def test_cuda_graph_capture_and_replay():
     batch = make_verify_batch([6000, 100], 16, 9, device="cuda", seed=13)
-    args = _inputs(batch)
+    args = batch.verify_args()
     t, h = batch.q.shape[:2]
     out = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
     kdtree.verify_attention(**args, out=out)      # warm-up: workspace sized outside the capture
@@ -239,7 +230,7 @@ def test_tree_mask_narrower_than_the_drafts_is_never_read_past():
     # 70 drafts but a 1-word (64-column) mask: the host cannot see N_b without a sync, so the kernel
     # must treat drafts 64.. as invisible rather than read past the mask row (memory safety).
     batch = make_verify_batch([500, 300], 4, 70, kind="deep", device="cuda", seed=31)
-    args = _inputs(batch)
+    args = batch.verify_args()
     wide = args["tree_mask"]                      # [T, 2] words
     assert wide.shape[1] == 2
     narrow = wide[:, :1].contiguous()
