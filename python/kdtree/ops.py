@@ -350,9 +350,7 @@ def verify_attention(
             if len(_CHECKED) >= _CHECKED_MAX:
                 _CHECKED.clear()
             _CHECKED[key] = checked
-    device, T, H, B, words = checked.device, checked.T, checked.H, checked.B, checked.words
-    q_nope_st, q_nope_sh, q_pe_st, q_pe_sh = checked.q_nope_st, checked.q_nope_sh, checked.q_pe_st, checked.q_pe_sh
-    kv_st, k_new_st = checked.kv_st, checked.k_new_st
+    device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st = checked
     scale = _sm_scale(sm_scale)
 
     if device.type != "cuda":
