@@ -49,14 +49,13 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   return l;
 }
 
-template <int Stages>
-cudaError_t configure_split(int* blocks) {
-  cudaError_t e = cudaFuncSetAttribute(kdtree::kdtree_verify_split_kernel<Stages>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)sizeof(kdtree::SharedStorage<Stages>));
+// Opts `kernel` into `smem` bytes of dynamic shared memory and reports how many blocks of `threads`
+// fit on one SM.
+template <typename Kernel>
+cudaError_t configure(Kernel kernel, int threads, size_t smem, int* blocks) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kdtree::kdtree_verify_split_kernel<Stages>,
-                                                       kdtree::kThreads, sizeof(kdtree::SharedStorage<Stages>));
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem);
 }
 
 // Per device, once (benign race: idempotent values): SM count and the split kernel that runs there:
@@ -70,14 +69,6 @@ struct DeviceInfo {
   int kernel;   // SplitKernel
   bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
 };
-
-cudaError_t configure_wgmma(int* blocks) {
-  cudaError_t e = cudaFuncSetAttribute(kdtree::wg::kdtree_verify_split_wgmma_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kdtree::wg::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kdtree::wg::kdtree_verify_split_wgmma_kernel,
-                                                       kdtree::wg::kThreads, kdtree::wg::kSmemBytes);
-}
 
 bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
@@ -104,8 +95,13 @@ DeviceInfo device_info(int dev, int* status) {
     // registers and shared memory must admit one block per SM (a build with a different register
     // cap would otherwise fail at every launch with a bare "too many resources")
     int blocks = 0;
-    e = kernel == kWgmma ? configure_wgmma(&blocks)
-        : kernel == kMma2 ? configure_split<2>(&blocks) : configure_split<kdtree::kMaxStages>(&blocks);
+    if (kernel == kWgmma)
+      e = configure(kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes, &blocks);
+    else if (kernel == kMma2)
+      e = configure(kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>), &blocks);
+    else
+      e = configure(kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
+                    sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), &blocks);
     if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
       cudaGetLastError();
       *status = KDTREE_ERR_ARCH;
