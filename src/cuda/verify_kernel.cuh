@@ -59,6 +59,12 @@ constexpr int kQRegDims = kQRegSteps * 16;                 // 384
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
+// The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
+// (the count depends only on the row's own split count: batch-invariant).
+constexpr int kCombineMaxSlices = 8;
+__host__ __device__ constexpr int combine_slices(int nsplit) {
+  return nsplit <= 64 ? 1 : nsplit <= 128 ? 2 : nsplit <= 256 ? 4 : 8;
+}
 
 // Named barriers (0 is __syncthreads): the whole block; "P of buffer b is ready" (score warps
 // arrive, value warps wait); "P of buffer b is free again" (value warps arrive, score warps wait);
@@ -140,7 +146,7 @@ struct Params {
   int tile_n;         // keys per pipeline tile of that kernel (32 for both): splits are whole tiles
   long long max_partial_rows;
   // workspace views
-  int* counter;       // [2]: dynamic work counter, total items
+  int* counter;       // [3]: dynamic work counter, total items, the combine's slice count (max over rows)
   const __nv_bfloat16* zero_row;  // [576] zeros: the source of keys past a split's end
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
@@ -192,12 +198,14 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   __shared__ int s_items[kPlanThreads];
   __shared__ long long s_rows[kPlanThreads];
   __shared__ int s_carry_items;
+  __shared__ int s_max_nsplit;
   __shared__ long long s_carry_rows;
   const int tid = threadIdx.x;
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the indptr arrays may come from the previous kernel on the stream
   if (tid == 0) {
     s_carry_items = 0;
+    s_max_nsplit = 1;
     s_carry_rows = 0;
   }
   __syncthreads();
@@ -228,6 +236,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
       chunk = max(prm.tile_n, (chunk + prm.tile_n - 1) / prm.tile_n * prm.tile_n);
       nsplit = len > 0 ? (len + chunk - 1) / chunk : 1;
       rp.nsplit = nsplit;
+      atomicMax(&s_max_nsplit, nsplit);
       rp.chunk = chunk;
       items = rp.mtiles * nsplit;
       rows = nsplit > 1 ? (long long)nsplit * r : 0;
@@ -259,6 +268,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   if (tid == 0) {
     prm.counter[0] = 0;
     prm.counter[1] = s_carry_items;
+    prm.counter[2] = combine_slices(s_max_nsplit);   // the combine's loop bound
   }
   __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
   for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
@@ -780,8 +790,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine: one block per (verify token, head) row of a request that was split and per column slice
-// (grid = rows x kCombineMaxSlices), fixed split order. A row with many splits is cut into up to
+// Combine: per (verify token, head) row of a request that was split and per column slice (blocks
+// stride over rows x kCombineMaxSlices), fixed split order. A row with many splits is cut into up to
 // kCombineMaxSlices slices of value columns, so a short request's few rows do not leave the GPU idle
 // (H16 N1 P131072: 16 rows x 264 splits in 16 blocks took 16 us); a row with few splits takes one
 // block (the spare blocks exit at once). Every block recomputes the row's split statistics (one
@@ -791,12 +801,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
-constexpr int kCombineMaxSlices = 8;        // blockIdx.y
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
 
-__host__ __device__ constexpr int combine_slices(int nsplit) {
-  return nsplit <= 64 ? 1 : nsplit <= 128 ? 2 : nsplit <= 256 ? 4 : 8;
-}
 
 // Block-wide max or sum in a fixed tree order (deterministic); every thread gets the result.
 template <bool Max>
@@ -821,64 +827,72 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
   __shared__ float s_red[kCombineWarps];
   grid_dependency_wait();                  // the split pass's partials (programmatic launch)
   const int tid = threadIdx.x;
-  const int gr = blockIdx.x;                 // global row = t * H + h
-  const int t = gr / prm.heads, h = gr - t * prm.heads;
-  const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
-  if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) return;   // block-uniform
-  const int slices = combine_slices(rp.nsplit);
-  if ((int)blockIdx.y >= slices) return;                                       // block-uniform
-  const int cols = kDimNope / slices;       // value columns of this block
-  const int lanes = cols / 8;               // threads per split row (8 columns each)
-  const int groups = kCombineThreads / lanes;
-  const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
-  const long long rstride = (long long)rp.n * prm.heads;
-  const float* lse = prm.partial_lse + rp.partial_row + r;
-  float mx = -INFINITY;
-  for (int s = tid; s < rp.nsplit; s += kCombineThreads) mx = fmaxf(mx, lse[s * rstride]);
-  mx = combine_block_reduce<true>(mx, s_red);
-  const int grp = tid / lanes;
-  const int lcol = (tid % lanes) * 8;       // within the slice
-  const int col0 = blockIdx.y * cols;
-  float acc[8] = {};
-  float wpart = 0.f;
-  if (mx != -INFINITY) {   // block-uniform
-    for (int base = 0; base < rp.nsplit; base += kCombineThreads) {
-      const int s = base + tid;
-      const float w = s < rp.nsplit ? exp2f(lse[s * rstride] - mx) : 0.f;
-      wpart += w;
-      __syncthreads();   // the previous chunk's weights are consumed
-      s_w[tid] = w;
-      __syncthreads();
-      const int cnt = min(kCombineThreads, rp.nsplit - base);
-      const __nv_bfloat16* src =
-          prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col0 + lcol;
-#pragma unroll 4
-      for (int i = grp; i < cnt; i += groups) {
-        const float wi = s_w[i];
-        const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)i * rstride * kDimNope);
-        const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 f = __bfloat1622float2(pv[k]);
-          acc[2 * k] += wi * f.x;
-          acc[2 * k + 1] += wi * f.y;
+  // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
+  // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
+  // a skipped iteration, not a launched block
+  const long long rows = (long long)prm.num_tokens * prm.heads;
+  const long long works = rows * prm.counter[2];   // counter[2]: the largest slice count of any row
+  for (long long w = blockIdx.x; w < works; w += gridDim.x) {   // block-uniform
+    const int slice = (int)(w / rows);
+    const int gr = (int)(w - slice * rows);   // global row = t * H + h
+    const int t = gr / prm.heads, h = gr - t * prm.heads;
+    const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
+    if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;   // block-uniform
+    const int slices = combine_slices(rp.nsplit);
+    if (slice >= slices) continue;                                                  // block-uniform
+    const int cols = kDimNope / slices;       // value columns of this block
+    const int lanes = cols / 8;               // threads per split row (8 columns each)
+    const int groups = kCombineThreads / lanes;
+    const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
+    const long long rstride = (long long)rp.n * prm.heads;
+    const float* lse = prm.partial_lse + rp.partial_row + r;
+    float mx = -INFINITY;
+    for (int s = tid; s < rp.nsplit; s += kCombineThreads) mx = fmaxf(mx, lse[s * rstride]);
+    mx = combine_block_reduce<true>(mx, s_red);
+    const int grp = tid / lanes;
+    const int lcol = (tid % lanes) * 8;       // within the slice
+    const int col0 = slice * cols;
+    float acc[8] = {};
+    float wpart = 0.f;
+    if (mx != -INFINITY) {   // block-uniform
+      for (int base = 0; base < rp.nsplit; base += kCombineThreads) {
+        const int s = base + tid;
+        const float w = s < rp.nsplit ? exp2f(lse[s * rstride] - mx) : 0.f;
+        wpart += w;
+        __syncthreads();   // the previous chunk's weights are consumed
+        s_w[tid] = w;
+        __syncthreads();
+        const int cnt = min(kCombineThreads, rp.nsplit - base);
+        const __nv_bfloat16* src =
+            prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col0 + lcol;
+  #pragma unroll 4
+        for (int i = grp; i < cnt; i += groups) {
+          const float wi = s_w[i];
+          const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)i * rstride * kDimNope);
+          const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
+  #pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float2 f = __bfloat1622float2(pv[k]);
+            acc[2 * k] += wi * f.x;
+            acc[2 * k + 1] += wi * f.y;
+          }
         }
       }
     }
-  }
-  const float wsum = combine_block_reduce<false>(wpart, s_red);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i];
-  __syncthreads();
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  for (int c = 2 * tid; c < cols; c += 2 * kCombineThreads) {   // one bf16 pair per step, groups in fixed order
-    float v0 = 0.f, v1 = 0.f;
-    for (int q = 0; q < groups; ++q) {
-      v0 += s_acc[q * cols + c];
-      v1 += s_acc[q * cols + c + 1];
+    const float wsum = combine_block_reduce<false>(wpart, s_red);
+  #pragma unroll
+    for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i];
+    __syncthreads();
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    for (int c = 2 * tid; c < cols; c += 2 * kCombineThreads) {   // one bf16 pair per step, groups in fixed order
+      float v0 = 0.f, v1 = 0.f;
+      for (int q = 0; q < groups; ++q) {
+        v0 += s_acc[q * cols + c];
+        v1 += s_acc[q * cols + c + 1];
+      }
+      *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
+          pack_bf16(v0 * inv, v1 * inv);
     }
-    *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
-        pack_bf16(v0 * inv, v1 * inv);
   }
 }
 

@@ -41,7 +41,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
-  l.zero_row = align_up(2 * sizeof(int));
+  l.zero_row = align_up(3 * sizeof(int));   // the counters
   l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
@@ -266,8 +266,16 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   else
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, sms, 1, kdtree::kThreads,
                              sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), stream, pdl, prm));
-  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)(p->num_tokens * p->num_heads),
-                           kdtree::kCombineMaxSlices, kdtree::kCombineThreads, 0, stream, pdl, prm));
+  // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
+  // which only the plan kernel knows): one block per row at least, up to a wave of them when the
+  // rows are few (and may need more slices)
+  const long long combine_rows = (long long)p->num_tokens * p->num_heads;
+  const long long combine_wave = 4ll * sms;
+  const long long combine_max = combine_rows * kdtree::kCombineMaxSlices;
+  const long long combine_blocks =
+      combine_rows > combine_wave ? combine_rows : (combine_max < combine_wave ? combine_max : combine_wave);
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, 1, kdtree::kCombineThreads,
+                           0, stream, pdl, prm));
   return KDTREE_OK;
 }
 
