@@ -85,9 +85,6 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 // D[64 x 32] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 32] (shared memory, K-major), fp32 accumulate.
 __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -177,19 +174,22 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 
       // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72
-      // chunks of 16 bytes over the 128 score threads
+      // chunks of 16 bytes over the 128 score threads, as asynchronous copies that are all in flight
+      // at once (a load-then-store loop waits one L2 round trip per chunk: 36 in a row per thread)
       for (int i = tid; i < kBlockM * kChunksPerKey; i += 128) {
         const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
-        uint4 v = make_uint4(0, 0, 0, 0);
+        const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
         if (r < cx.rows) {
           const int rr = cx.row0 + r;
           const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
           const int d = ch * 8;
-          v = *reinterpret_cast<const uint4*>(d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                                                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope));
+          src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                             : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
         }
-        *reinterpret_cast<uint4*>(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]) = v;
+        cp_async_16z(smem_u32(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
+                     r < cx.rows ? 16 : 0);
       }
+      cp_async_wait_all();   // this thread's q copies (the score WG issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
       bar_sync(kBarScore, 128);
 #ifdef KDTREE_EXP_TRACE
@@ -309,14 +309,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 
-      // prologue: tiles 0 .. kStages-1 on their way (each announces itself when it has landed)
-      long long slot = gather_slot(prm, cx, 0, vt);
+      // prologue: tiles 0 .. kStages-1 on their way (each announces itself when it has landed); the
+      // slot ids of tiles 0 .. kStages are loaded together first (each copy's asm orders any load
+      // after it, so loading them between the copies waits one round trip per tile)
+      long long slots[kStages + 1];
 #pragma unroll
-      for (int t = 0; t < kStages; ++t) {
-        const long long next = gather_slot(prm, cx, t + 1, vt);
-        gather_tile(sm, prm, cx, t, t, vt, slot);
-        slot = next;
-      }
+      for (int t = 0; t <= kStages; ++t) slots[t] = gather_slot(prm, cx, t, vt);
+#pragma unroll
+      for (int t = 0; t < kStages; ++t) gather_tile(sm, prm, cx, t, t, vt, slots[t]);
+      long long slot = slots[kStages];
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();   // (a little later than the score WG's origin)
 #endif
