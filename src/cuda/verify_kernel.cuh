@@ -58,7 +58,10 @@ constexpr int kQRegSteps = 24;
 constexpr int kQRegDims = kQRegSteps * 16;                 // 384
 constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
-constexpr int kMinChunk = 256;           // smallest split worth its partial-write traffic
+#ifndef KDTREE_MIN_CHUNK
+#define KDTREE_MIN_CHUNK 256
+#endif
+constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
@@ -292,6 +295,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_u32(p)));
 }
+
+// 16 bytes global -> shared, asynchronous; src_bytes 0 zero-fills (nothing is read).
+__device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -541,27 +550,31 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
     const int H = prm.heads;
 
     // ---- prologue: tiles 0 .. Stages-1 on their way, query columns [384, 576) into shared memory ----
-    long long next_slot = -1;   // issuer lanes: slot id of the next tile to issue
+    // (the slot ids of tiles 0 .. Stages are loaded together first: each copy's asm orders any load
+    // after it, so loading them between the copies waits one round trip per tile)
+    long long slots[Stages + 1];
+#pragma unroll
+    for (int t = 0; t <= Stages; ++t)
+      slots[t] = issuer && t < cx.ntiles ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1;
     if (vw >= 0) {
 #pragma unroll
       for (int t = 0; t < Stages; ++t)
-        if (t < cx.ntiles)
-          issue_tile(sm, prm, cx, t, t, vw, lane, issuer ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1);
+        if (t < cx.ntiles) issue_tile(sm, prm, cx, t, t, vw, lane, slots[t]);
     }
-    if (issuer && cx.ntiles > Stages) next_slot = key_slot(prm, cx, cx.k0 + Stages * kTileN + my_key);
-    for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {
+    long long next_slot = slots[Stages];   // issuer lanes: slot id of the next tile to issue
+    for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {   // all copies in flight at once
       const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
       const int d = kQRegDims + ch * 8;   // query column
-      uint4 v = make_uint4(0, 0, 0, 0);
+      const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
       if (r < cx.rows) {
         const int rr = cx.row0 + r;
         const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
-        const __nv_bfloat16* src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                                                : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
-        v = *reinterpret_cast<const uint4*>(src);
+        src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
       }
-      *reinterpret_cast<uint4*>(&sm.q_tail[r][ch * 8]) = v;
+      cp_async_16z(smem_u32(&sm.q_tail[r][ch * 8]), src, r < cx.rows ? 16 : 0);
     }
+    cp_async_wait_all();   // this thread's q copies (the key rows travel as bulk copies, not cp.async)
     __syncthreads();
 #ifdef KDTREE_EXP_TRACE
     const long long t_item = clock64();
