@@ -26,6 +26,8 @@
 //   the alpha stores); the named barrier only saves the value WGs from spinning (13% at H16 N9).
 #pragma once
 
+#include <type_traits>
+
 #include "verify_kernel.cuh"
 
 namespace kdtree {
@@ -46,6 +48,15 @@ constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt cop
 constexpr int kChunksPerThread = kChunksPerKey / kThreadsPerKey;  // 9
 constexpr int kKSteps = kDimQK / 16;        // 36
 constexpr int kPvSteps = kTileN / 16;       // 2
+// S of the next tile is issued in this many pieces between the parts of the current tile's softmax
+// (1: all 36 wgmma first, as up to session 4)
+#ifndef KDTREE_WG_S_PIECES
+#define KDTREE_WG_S_PIECES 3
+#endif
+constexpr int kSPieces = KDTREE_WG_S_PIECES;
+static_assert(kSPieces >= 1 && kSPieces <= 3, "S pieces: 1, 2 or 3");
+constexpr int kSCut1 = kKSteps / kSPieces;                       // k-steps [0, kSCut1) before the softmax
+constexpr int kSCut2 = kSPieces == 3 ? 2 * kKSteps / 3 : kSCut1;  // [kSCut1, kSCut2) after the row maxima
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarBlock = 1;
@@ -198,40 +209,41 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       float m_run[2] = {-INFINITY, -INFINITY};
       float l_run[2] = {0.f, 0.f};
 
-      // S of tile t into acc: wait for the tile to land, fence it into the async proxy, issue the 36
-      // wgmma and commit them (the caller waits). S of tile it+1 runs while tile it's softmax does.
+      // S of tile t into acc: wait for the tile to land and fence it into the async proxy (s_begin),
+      // issue k-steps [k0, k1) of its 36 wgmma (s_steps), commit (the caller waits). S of tile it+1 is
+      // issued in kSPieces pieces between the parts of tile it's softmax: issuing a wgmma blocks once a
+      // few are queued, so a softmax placed after all 36 issues would start only when S(it+1) is nearly
+      // done instead of running beside it.
       const uint32_t qbase = smem_u32(&sm.q[0]);
-      auto issue_s = [&](int t, float (&acc)[16]) {
+      uint32_t kbase = 0;
+      auto s_begin = [&](int t) {
         const int bt = t % kStages;
         mbar_wait(&sm.full[bt], (phase_bits >> bt) & 1u);   // every value thread's copies landed
         phase_bits ^= 1u << bt;
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-        const uint32_t kbase = smem_u32(&sm.kv[bt][0]);
+        kbase = smem_u32(&sm.kv[bt][0]);
         wg_fence();
+      };
+      auto s_steps = [&](float (&acc)[16], auto k0, auto k1) {
+        if (decltype(k0)::value > 0) wg_fence();   // a later piece: the softmax ran in between
+#pragma unroll
+        for (int ks = decltype(k0)::value; ks < decltype(k1)::value; ++ks) {
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
-#pragma unroll
-        for (int ks = 0; ks < 1; ++ks) {
-#else
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
+          if (ks > 0) continue;
 #endif
           const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
           const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
           wgmma_m64n32k16_ss(acc, da, db, ks > 0);
         }
-        wg_commit();
       };
+      using K0 = std::integral_constant<int, 0>;
+      using K1 = std::integral_constant<int, kSCut1>;
+      using K2 = std::integral_constant<int, kSCut2>;
+      using K3 = std::integral_constant<int, kKSteps>;
       float s[16], s_next[16];
-      if (cx.ntiles > 0) {
-        issue_s(0, s);
-        wg_wait0();
-      }
-      for (int it = 0; it < cx.ntiles; ++it) {
-        const bool more = it + 1 < cx.ntiles;
-        if (warp == 0) KDTREE_WTRACE(0);
-        if (more) issue_s(it + 1, s_next);   // in flight until the end of this iteration
-        if (warp == 0) KDTREE_WTRACE(1);
-        // ---- scale, mask, online softmax (thread: rows wrow+g (+8), keys 8j + 2c (+1)) ----
+      float alpha[2], m_use[2];
+      // softmax of tile it, part 1: scale, mask, row maxima, running max and the rescale factor
+      auto softmax_max = [&](int it) {
         const int key0 = cx.k0 + it * kTileN;
         const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
         float tmax[2] = {-INFINITY, -INFINITY};
@@ -247,13 +259,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
             tmax[half] = fmaxf(tmax[half], sc);
           }
         }
-        float alpha[2], m_use[2];
         softmax_advance(tmax, m_run, m_use, alpha);
-        if (warp == 0) KDTREE_WTRACE(2);
-        if (it > 0) {   // the value WGs are done with the previous P / alpha
-          mbar_wait(&sm.p_empty, p_parity);
-          p_parity ^= 1u;
-        }
+      };
+      // part 2: once the value WGs are done with the previous P / alpha (the first wait of an item is
+      // on the phase before: complete), P of tile it into shared memory and the running sums
+      auto softmax_p = [&]() {
+        mbar_wait(&sm.p_empty, p_parity);
+        p_parity ^= 1u;
         float psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < kTileN / 8; ++j) {
@@ -268,21 +280,49 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+      };
+      // part 3: P and alpha published: the mbarrier carries the release (memory order), the named
+      // barrier the wake-up (the value WGs sleep in bar.sync instead of spinning on the mbarrier)
+      auto publish = [&]() {
         fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha by plain loads
         if (c == 0) {
           sm.alpha[wrow + g] = alpha[0];
           sm.alpha[wrow + g + 8] = alpha[1];
         }
-        // P and alpha of tile it published: the mbarrier carries the release (memory order), the named
-        // barrier the wake-up (the value WGs sleep in bar.sync instead of spinning on the mbarrier)
         mbar_arrive(&sm.p_full);
         bar_arrive(kBarPFull, kThreads);
+      };
+      p_parity ^= 1u;   // the item's first p_empty wait: on the phase before the current one
+      if (cx.ntiles > 0) {
+        s_begin(0);
+        s_steps(s, K0{}, K3{});
+        wg_commit();
+        wg_wait0();
+      }
+      // every tile but the last: S(it+1) in pieces between the parts of tile it's softmax (no branch
+      // between the pieces of one wgmma group: ptxas would serialise them, C7520)
+      int it = 0;
+      for (; it + 1 < cx.ntiles; ++it) {
+        if (warp == 0) KDTREE_WTRACE(0);
+        s_begin(it + 1);
+        s_steps(s_next, K0{}, K1{});
+        if (warp == 0) KDTREE_WTRACE(1);
+        softmax_max(it);
+        s_steps(s_next, K1{}, K2{});
+        if (warp == 0) KDTREE_WTRACE(2);
+        softmax_p();
+        s_steps(s_next, K2{}, K3{});
+        wg_commit();
+        publish();
         if (warp == 0) KDTREE_WTRACE(3);
-        if (more) {
-          wg_wait0();
+        wg_wait0();
 #pragma unroll
-          for (int i = 0; i < 16; ++i) s[i] = s_next[i];
-        }
+        for (int i = 0; i < 16; ++i) s[i] = s_next[i];
+      }
+      if (it < cx.ntiles) {   // the last tile
+        softmax_max(it);
+        softmax_p();
+        publish();
       }
       finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l, [] { bar_sync(kBarBlock, kThreads); });
       __syncthreads();   // the item's shared memory is consumed before the next item starts
