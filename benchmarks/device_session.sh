@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
-#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [sglang] [layer] [sm120path] [mmatests]
+#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
 # (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
@@ -62,5 +62,15 @@ if has ncu; then
       python3 benchmarks/bench.py --no-sglang --quick --only P131072 --out /tmp/ncu_bench.json > "$OUT/ncu.txt" 2>&1
   grep -E "kdtree_verify_[a-z_]*kernel|Duration|Issue Slots|stalled|inst_executed|hmma|wavefronts|cycles_elapsed" "$OUT/ncu.txt" \
     | awk '$NF+0 > 0.05 || /kernel|Duration|inst|hmma|wave|cycles/' | sed 's/(kdtree::Params).*//' | head -80
+fi
+if has ncusrc; then   # per-instruction warp-stall samples of the split kernel at H16 N9 P131072
+  log "ncu source counters"
+  ncu --clock-control none --set full --import-source no --kernel-name regex:split --launch-skip 3 --launch-count 1 \
+      -o /tmp/kdtree_split -f python3 benchmarks/bench.py --no-sglang --only "H16 N9 tree P131072" --out /tmp/ncu_bench.json \
+      > "$OUT/ncusrc.log" 2>&1
+  ncu -i /tmp/kdtree_split.ncu-rep --page source --csv --print-source sass > /tmp/split_source.csv 2>> "$OUT/ncusrc.log"
+  ncu -i /tmp/kdtree_split.ncu-rep --page details > "$OUT/ncusrc_details.txt" 2>&1
+  python3 benchmarks/ncu_source.py /tmp/split_source.csv 40 | tee "$OUT/ncusrc.txt"
+  gzip -c /tmp/split_source.csv > "$OUT/split_source.csv.gz"
 fi
 log done
