@@ -87,10 +87,17 @@ static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of share
 static_assert(kSlabBytes % 1024 == 0 && kQSlabBytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
+// A shared-memory matrix descriptor (128-byte swizzle), kept as its two 32-bit halves so that a step
+// through a tile is one add on the low half: at(off) is the descriptor of the base address + off. The
+// 14-bit start-address field never carries into the next field (the shared window is below 256 KB).
+struct SmemDesc {
+  uint32_t lo, hi;
+  __device__ __forceinline__ SmemDesc(uint32_t saddr, uint32_t lbo, uint32_t sbo)
+      : lo(((saddr & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16)), hi(((sbo & 0x3FFFF) >> 4) | (1u << 30)) {}
+  __device__ __forceinline__ uint64_t at(uint32_t byte_off) const {
+    return ((uint64_t)hi << 32) | (uint64_t)(lo + (byte_off >> 4));
+  }
+};
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -214,14 +221,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       // issued in kSPieces pieces between the parts of tile it's softmax: issuing a wgmma blocks once a
       // few are queued, so a softmax placed after all 36 issues would start only when S(it+1) is nearly
       // done instead of running beside it.
-      const uint32_t qbase = smem_u32(&sm.q[0]);
-      uint32_t kbase = 0;
+      const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
+      SmemDesc kd(0, 16, 1024);
       auto s_begin = [&](int t) {
         const int bt = t % kStages;
         mbar_wait(&sm.full[bt], (phase_bits >> bt) & 1u);   // every value thread's copies landed
         phase_bits ^= 1u << bt;
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-        kbase = smem_u32(&sm.kv[bt][0]);
+        kd = SmemDesc(smem_u32(&sm.kv[bt][0]), 16, 1024);
         wg_fence();
       };
       auto s_steps = [&](float (&acc)[16], auto k0, auto k1) {
@@ -231,9 +238,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
           if (ks > 0) continue;
 #endif
-          const uint64_t da = desc_sw128(qbase + (ks >> 2) * kQSlabBytes + (ks & 3) * 32, 16, 1024);
-          const uint64_t db = desc_sw128(kbase + (ks >> 2) * kSlabBytes + (ks & 3) * 32, 16, 1024);
-          wgmma_m64n32k16_ss(acc, da, db, ks > 0);
+          wgmma_m64n32k16_ss(acc, qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32),
+                             kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32), ks > 0);
         }
       };
       using K0 = std::integral_constant<int, 0>;
@@ -390,14 +396,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
           }
         }
         {
-          const uint32_t pbase = smem_u32(&sm.p[0]);
-          const uint32_t vbase = smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes;
+          const SmemDesc pd(smem_u32(&sm.p[0]), 16, 1024);
+          const SmemDesc vd(smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes, kSlabBytes, 1024);
           wg_fence();
 #ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
-            const uint64_t da = desc_sw128(pbase + kk * 32, 16, 1024);
-            const uint64_t db = desc_sw128(vbase + kk * 16 * 128, kSlabBytes, 1024);
+            const uint64_t da = pd.at(kk * 32);
+            const uint64_t db = vd.at(kk * 16 * 128);
             wgmma_m64n256k16_ss_bt(o, da, db, 1);
           }
 #endif
