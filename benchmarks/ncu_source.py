@@ -37,6 +37,7 @@ def main(path: str, top: int = 30) -> None:
     reason_cols = [c for c in cols if c.lower().startswith("stall_") or c.startswith("smsp__pcsamp_warps_issue_stalled")]
     total = sum(number(r[total_col]) for r in rows) or 1.0
     print(f"{len(rows)} instructions, {total:.0f} warp-stall samples; stall columns: {len(reason_cols)}")
+    print("  " + ", ".join(c for c in reason_cols if "(Not Issued)" not in c))
     ranked = sorted(rows, key=lambda r: -number(r[total_col]))
     for r in ranked[:top]:
         share = number(r[total_col]) / total
@@ -44,13 +45,21 @@ def main(path: str, top: int = 30) -> None:
         why = ", ".join(f"{c.replace('smsp__pcsamp_warps_issue_stalled_', '')} {v:.0f}" for v, c in reasons if v > 0)
         print(f"{share:6.1%}  {r.get('Address', ''):>8}  {r['Source'][:70]:70}  {why}")
     per_op = defaultdict(float)
+    per_op_reason = defaultdict(lambda: defaultdict(float))
     for r in rows:
-        op = r["Source"].strip().split(" ")
-        op = [t for t in op if t and not t.startswith("@")]
-        per_op[op[0].split(".")[0] if op else "?"] += number(r[total_col])
-    print("samples per opcode:")
-    for op, v in sorted(per_op.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"  {v / total:6.1%}  {op}")
+        op = [t for t in r["Source"].strip().split(" ") if t and not t.startswith("@")]
+        name = op[0].split(".")[0] if op else "?"
+        if name in ("HGMMA", "WARPGROUP", "SYNCS"):   # keep the shape / kind: which product, arrive or wait
+            name = op[0] + (" " + op[1].split(",")[0] if name == "HGMMA" and len(op) > 1 else "")
+        per_op[name] += number(r[total_col])
+        for c in reason_cols:
+            if "(Not Issued)" not in c:
+                per_op_reason[name][c] += number(r[c])
+    print("samples per opcode, with its largest stall reasons (the samples of the instruction a warp waits to issue):")
+    for op, v in sorted(per_op.items(), key=lambda kv: -kv[1])[:18]:
+        reasons = sorted(((val, c) for c, val in per_op_reason[op].items()), reverse=True)[:4]
+        why = ", ".join(f"{c.replace('smsp__pcsamp_warps_issue_stalled_', '')} {val / total:.1%}" for val, c in reasons if val > 0)
+        print(f"  {v / total:6.1%}  {op[:40]:40}  {why}")
 
 
 if __name__ == "__main__":
