@@ -298,7 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         mbar_arrive(&sm.p_full);
         bar_arrive(kBarPFull, kThreads);
       };
-      p_parity ^= 1u;   // the item's first p_empty wait: on the phase before the current one
+      // The item's first p_empty wait is on the phase before the current one (complete). The score WG then
+      // waits once per tile and the value WGs arrive once per tile but the last, so the parity stays in
+      // step across items; every item has at least one tile (each split of a request holds >= 1 key).
+      p_parity ^= 1u;
       if (cx.ntiles > 0) {
         s_begin(0);
         s_steps(s, K0{}, K3{});
