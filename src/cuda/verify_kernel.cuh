@@ -423,6 +423,31 @@ __device__ __forceinline__ bool key_visible(const Params& prm, const ItemCtx& cx
   return vis;
 }
 
+// A thread's 16 scores of a 32-key tile, as either split kernel holds them: key group j (8 keys) x value e
+// (rows r0 / r0 + 8 for e < 2 / e >= 2, keys 2c / 2c + 1 of the group for even / odd e).
+__device__ __forceinline__ float& score_at(float (&v)[16], int j, int e) { return v[4 * j + e]; }
+__device__ __forceinline__ float& score_at(float (&v)[4][4], int j, int e) { return v[j][e]; }
+
+// Scale tile scores to log2 units, mask them (unless the tile holds only prefix keys inside the
+// split) and take the maxima of the thread's two rows.
+template <typename Scores>
+__device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx& cx, int H, int key0, int r0, int c,
+                                               Scores& v, float (&tmax)[2]) {
+  const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
+  tmax[0] = tmax[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int half = e >> 1;
+      float sc = score_at(v, j, e) * prm.scale_log2;
+      if (!plain && !key_visible(prm, cx, key0 + j * 8 + 2 * c + (e & 1), r0 + half * 8, H)) sc = -INFINITY;
+      score_at(v, j, e) = sc;
+      tmax[half] = fmaxf(tmax[half], sc);
+    }
+  }
+}
+
 // One online-softmax step for the two rows (g, g+8) of an mma / wgmma accumulator: the tile's row
 // maxima (tmax, per thread) are reduced over the quad, the running maxima advance, and the factor
 // that rescales what was accumulated before comes back (m_use: the max to subtract, 0 for a row
@@ -656,21 +681,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           }
 #endif
           // ---- scale, mask, online softmax ----
-          const int key0 = cx.k0 + it * kTileN;
-          const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;  // all prefix: no mask
-          float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int half = e >> 1;
-              float sc = acc[nt][e] * prm.scale_log2;
-              if (!plain && !key_visible(prm, cx, key0 + nt * 8 + 2 * c + (e & 1), wrow + g + half * 8, H))
-                sc = -INFINITY;
-              acc[nt][e] = sc;
-              tmax[half] = fmaxf(tmax[half], sc);
-            }
-          }
+          float tmax[2];
+          scale_mask_max(prm, cx, H, cx.k0 + it * kTileN, wrow + g, c, acc, tmax);
           float alpha[2], m_use[2];
           softmax_advance(tmax, m_run, m_use, alpha);
           float psum[2] = {0.f, 0.f};
@@ -807,7 +819,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 // stride over rows x kCombineMaxSlices), fixed split order. A row with many splits is cut into up to
 // kCombineMaxSlices slices of value columns, so a short request's few rows do not leave the GPU idle
 // (H16 N1 P131072: 16 rows x 264 splits in 16 blocks took 16 us); a row with few splits takes one
-// block (the spare blocks exit at once). Every block recomputes the row's split statistics (one
+// block (its unused slices are skipped iterations of the stride). Every block recomputes the row's split statistics (one
 // split per thread, tree reductions); its 4 x slices groups of threads each sum every
 // (4 x slices)-th split of the block's columns, 16 bytes per thread per load. The slice count comes
 // from the row's own split count and every sum has a fixed order: batch-invariant, deterministic.
@@ -878,12 +890,12 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
         const int cnt = min(kCombineThreads, rp.nsplit - base);
         const __nv_bfloat16* src =
             prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col0 + lcol;
-  #pragma unroll 4
+#pragma unroll 4
         for (int i = grp; i < cnt; i += groups) {
           const float wi = s_w[i];
           const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)i * rstride * kDimNope);
           const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
-  #pragma unroll
+#pragma unroll
           for (int k = 0; k < 4; ++k) {
             const float2 f = __bfloat1622float2(pv[k]);
             acc[2 * k] += wi * f.x;
@@ -893,7 +905,7 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
       }
     }
     const float wsum = combine_block_reduce<false>(wpart, s_red);
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i];
     __syncthreads();
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;

@@ -18,7 +18,7 @@
 //   a tile announces itself on its mbarrier when it has landed; readers wait on the mbarrier and
 //   fence the tile into the async proxy before their wgmma.
 // - The score warpgroup keeps two S accumulators: S of tile i+1 is in flight on the tensor cores
-//   while it runs the softmax of tile i.
+//   while it runs the softmax of tile i, its 36 wgmma issued in pieces between the softmax's parts.
 // - P / alpha hand-off, per tile: the score WG stores them, arrives on the p_full mbarrier (release)
 //   and on named barrier kBarPFull; the value WGs sleep in bar.sync on kBarPFull, then wait on p_full
 //   (acquire, complete by then). They give P back through the p_empty mbarrier. The mbarriers carry
@@ -35,6 +35,7 @@ namespace wg {
 
 constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
 constexpr int kTileN = 32;                  // keys per pipeline tile
+static_assert(kTileN == kdtree::kTileN, "scale_mask_max (shared with the mma.sync kernel) takes 32-key tiles");
 constexpr int kStages = 4;
 constexpr int kThreads = 384;               // 3 warpgroups
 constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
@@ -86,10 +87,10 @@ constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
 static_assert(kSlabBytes % 1024 == 0 && kQSlabBytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets.
-// A shared-memory matrix descriptor (128-byte swizzle), kept as its two 32-bit halves so that a step
-// through a tile is one add on the low half: at(off) is the descriptor of the base address + off. The
-// 14-bit start-address field never carries into the next field (the shared window is below 256 KB).
+// Shared-memory matrix descriptor, 128-byte swizzle (start address, leading and stride byte offsets),
+// kept as its two 32-bit halves so that a step through a tile is one add on the low half: at(off) is
+// the descriptor of the base address + off. The 14-bit start-address field never carries into the
+// next field (the shared window is below 256 KB).
 struct SmemDesc {
   uint32_t lo, hi;
   __device__ __forceinline__ SmemDesc(uint32_t saddr, uint32_t lbo, uint32_t sbo)
@@ -102,7 +103,6 @@ struct SmemDesc {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
 
 // D[64 x 32] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 32] (shared memory, K-major), fp32 accumulate.
 __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -148,7 +148,6 @@ __device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCt
              ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
              : 0;
 }
-
 
 #ifdef KDTREE_EXP_TRACE
 #define KDTREE_WTRACE(e) \
@@ -250,21 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       float alpha[2], m_use[2];
       // softmax of tile it, part 1: scale, mask, row maxima, running max and the rescale factor
       auto softmax_max = [&](int it) {
-        const int key0 = cx.k0 + it * kTileN;
-        const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
-        float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int j = 0; j < kTileN / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int half = e >> 1;
-            float sc = s[4 * j + e] * prm.scale_log2;
-            if (!plain && !key_visible(prm, cx, key0 + j * 8 + 2 * c + (e & 1), wrow + g + half * 8, H))
-              sc = -INFINITY;
-            s[4 * j + e] = sc;
-            tmax[half] = fmaxf(tmax[half], sc);
-          }
-        }
+        float tmax[2];
+        scale_mask_max(prm, cx, H, cx.k0 + it * kTileN, wrow + g, c, s, tmax);
         softmax_advance(tmax, m_run, m_use, alpha);
       };
       // part 2: once the value WGs are done with the previous P / alpha (the first wait of an item is
