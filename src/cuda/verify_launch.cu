@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "kdtree_verify.h"
@@ -49,14 +50,6 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   return l;
 }
 
-// Opts `kernel` into `smem` bytes of dynamic shared memory and reports how many blocks of `threads`
-// fit on one SM.
-template <typename Kernel>
-cudaError_t configure(Kernel kernel, int threads, size_t smem, int* blocks) {
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e != cudaSuccess) return e;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem);
-}
 
 // Per device, once (benign race: idempotent values): SM count and the split kernel that runs there:
 // the wgmma kernel on compute capability 9.0 when the build carries sm_90a code, else the mma.sync
@@ -64,6 +57,29 @@ cudaError_t configure(Kernel kernel, int threads, size_t smem, int* blocks) {
 // KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the mma.sync kernel with
 // its sm_120 depth: to measure and test those code paths on an H100/H200.
 enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90 };
+
+// A split kernel with its block size and dynamic shared memory: what both the one-time configuration
+// and every launch need.
+struct SplitLaunch {
+  void (*kernel)(kdtree::Params);
+  int threads;
+  size_t smem;
+};
+SplitLaunch split_launch(int kernel) {
+  if (kernel == kWgmma)
+    return {kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes};
+  if (kernel == kMma2)
+    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>)};
+  return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
+          sizeof(kdtree::SharedStorage<kdtree::kMaxStages>)};
+}
+
+// Opts the split kernel into its dynamic shared memory and reports how many of its blocks fit on one SM.
+cudaError_t configure(const SplitLaunch& k, int* blocks) {
+  cudaError_t e = cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k.smem);
+  if (e != cudaSuccess) return e;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, k.kernel, k.threads, k.smem);
+}
 struct DeviceInfo {
   int sms;
   int kernel;   // SplitKernel
@@ -95,13 +111,7 @@ DeviceInfo device_info(int dev, int* status) {
     // registers and shared memory must admit one block per SM (a build with a different register
     // cap would otherwise fail at every launch with a bare "too many resources")
     int blocks = 0;
-    if (kernel == kWgmma)
-      e = configure(kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes, &blocks);
-    else if (kernel == kMma2)
-      e = configure(kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>), &blocks);
-    else
-      e = configure(kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
-                    sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), &blocks);
+    e = configure(split_launch(kernel), &blocks);
     if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
       cudaGetLastError();
       *status = KDTREE_ERR_ARCH;
@@ -257,23 +267,14 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
 
   const bool pdl = dev.pdl;
   KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
-  if (dev.kernel == kWgmma)
-    KDTREE_TRY(launch_kernel(kdtree::wg::kdtree_verify_split_wgmma_kernel, sms, 1, kdtree::wg::kThreads,
-                             kdtree::wg::kSmemBytes, stream, pdl, prm));
-  else if (dev.kernel == kMma2)
-    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_split_kernel<2>, sms, 1, kdtree::kThreads,
-                             sizeof(kdtree::SharedStorage<2>), stream, pdl, prm));
-  else
-    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, sms, 1, kdtree::kThreads,
-                             sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), stream, pdl, prm));
+  const SplitLaunch split = split_launch(dev.kernel);
+  KDTREE_TRY(launch_kernel(split.kernel, sms, 1, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
   // rows are few (and may need more slices)
   const long long combine_rows = (long long)p->num_tokens * p->num_heads;
-  const long long combine_wave = 4ll * sms;
-  const long long combine_max = combine_rows * kdtree::kCombineMaxSlices;
   const long long combine_blocks =
-      combine_rows > combine_wave ? combine_rows : (combine_max < combine_wave ? combine_max : combine_wave);
+      std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms));
   KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, 1, kdtree::kCombineThreads,
                            0, stream, pdl, prm));
   return KDTREE_OK;
