@@ -6,6 +6,9 @@ rebuilt on the device. KDTREE_TEST_LARGE=1 widens the grid.
 """
 
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -176,9 +179,6 @@ def test_non_default_stream():
 def test_programmatic_launch_on_and_off_agree():
     """The call's kernels chained by programmatic dependent launch (default on sm_90+) and launched
     plainly (KDTREE_PDL=0, read once per process: a child process) give bit-identical results."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch, kdtree\n"
         "sys.path.insert(0, sys.argv[1])\n"
@@ -187,8 +187,6 @@ def test_programmatic_launch_on_and_off_agree():
         "out, _ = _run(make_verify_batch([30000, 700], 16, 9, device='cuda', seed=41))\n"
         "torch.save(out.cpu(), sys.argv[2])\n"
     )
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "out.pt")
         env = dict(os.environ, KDTREE_PDL="0")
