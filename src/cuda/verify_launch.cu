@@ -10,7 +10,7 @@
 
 #include "kdtree_verify.h"
 #include "verify_kernel.cuh"
-#include "verify_wgmma.cuh"
+#include "verify_pingpong.cuh"
 
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
@@ -56,7 +56,9 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // kernel with 3 stages where a block may take that much shared memory, 2 otherwise (sm_120).
 // KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the mma.sync kernel with
 // its sm_120 depth: to measure and test those code paths on an H100/H200.
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90 };
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91 };
+// the wgmma kernels' work items (64-row tiles, 32-key tiles)
+bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong; }
 
 // A split kernel with its block size and dynamic shared memory: what both the one-time configuration
 // and every launch need.
@@ -68,6 +70,8 @@ struct SplitLaunch {
 SplitLaunch split_launch(int kernel) {
   if (kernel == kWgmma)
     return {kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes};
+  if (kernel == kPingPong)
+    return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes};
   if (kernel == kMma2)
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>)};
   return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
@@ -107,6 +111,7 @@ DeviceInfo device_info(int dev, int* status) {
     if (major == 9 && minor == 0 && (size_t)optin >= kdtree::wg::kSmemBytes) kernel = kWgmma;
 #endif
     if (env_is("KDTREE_SPLIT_KERNEL", "mma") && kernel == kWgmma) kernel = kMma3;
+    if (env_is("KDTREE_SPLIT_KERNEL", "pingpong") && kernel == kWgmma) kernel = kPingPong;
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
     // cap would otherwise fail at every launch with a bare "too many resources")
@@ -255,8 +260,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  prm.block_m = dev.kernel == kWgmma ? kdtree::wg::kBlockM : kdtree::kBlockM;
-  prm.tile_n = dev.kernel == kWgmma ? kdtree::wg::kTileN : kdtree::kTileN;
+  prm.block_m = is_wgmma(dev.kernel) ? kdtree::wg::kBlockM : kdtree::kBlockM;
+  prm.tile_n = is_wgmma(dev.kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
