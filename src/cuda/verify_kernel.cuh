@@ -830,13 +830,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 
 // ---------------------------------------------------------------------------------------------
 // Combine: per (verify token, head) row of a request that was split and per column slice (blocks
-// stride over rows x kCombineMaxSlices), fixed split order. A row with many splits is cut into up to
-// kCombineMaxSlices slices of value columns, so a short request's few rows do not leave the GPU idle
-// (H16 N1 P131072: 16 rows x 264 splits in 16 blocks took 16 us); a row with few splits takes one
-// block (its unused slices are skipped iterations of the stride). Every block recomputes the row's split statistics (one
-// split per thread, tree reductions); its 4 x slices groups of threads each sum every
-// (4 x slices)-th split of the block's columns, 16 bytes per thread per load. The slice count comes
-// from the row's own split count and every sum has a fixed order: batch-invariant, deterministic.
+// stride over rows x the largest slice count of any row), fixed split order. A row with many splits
+// is cut into up to kCombineMaxSlices slices of value columns, so a short request's few rows do not
+// leave the GPU idle (H16 N1 P131072: 16 rows x 264 splits in 16 blocks took 16 us); a row with few
+// splits takes one block (its unused slices are skipped iterations of the stride). Every block
+// recomputes the row's split statistics (one split per thread, tree reductions); its 4 x slices
+// groups of threads each sum every (4 x slices)-th split of the block's columns, 16 bytes per thread
+// per load. The slice count comes from the row's own split count and every sum has a fixed order:
+// batch-invariant, deterministic.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
