@@ -402,13 +402,13 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
-// Is request-local key `key` (keys >= p are drafts) visible to tile row r? Prefix keys inside the
-// split are; drafts follow the tree mask (or the causal chain without one); padding rows see none.
-__device__ __forceinline__ bool key_visible(const Params& prm, const ItemCtx& cx, int key, int r, int H) {
+// Is request-local key `key` (keys >= p are drafts) visible to verify token n (-1: a padding row)?
+// Prefix keys inside the split are; drafts follow the tree mask (or the causal chain without one);
+// padding rows see none.
+__device__ __forceinline__ bool key_visible_n(const Params& prm, const ItemCtx& cx, int key, int n) {
   bool vis = key < cx.k1;
   if (vis && key >= cx.rp.p) {
     const int j = key - cx.rp.p;
-    const int n = r < cx.rows ? (cx.row0 + r) / H : -1;   // verify token of the row (-1: padding)
     if (n < 0 || (prm.tree_mask && (j >> 6) >= prm.mask_words)) {
       // padding row; or a request longer than the mask's 64 * words columns (a caller bug the host
       // cannot see without a sync): never read past the mask row
@@ -422,29 +422,43 @@ __device__ __forceinline__ bool key_visible(const Params& prm, const ItemCtx& cx
   }
   return vis;
 }
+// The verify token of tile row r (-1: a padding row).
+__device__ __forceinline__ int row_token(const ItemCtx& cx, int r, int H) {
+  return r < cx.rows ? (cx.row0 + r) / H : -1;
+}
 
 // A thread's 16 scores of a 32-key tile, as either split kernel holds them: key group j (8 keys) x value e
 // (rows r0 / r0 + 8 for e < 2 / e >= 2, keys 2c / 2c + 1 of the group for even / odd e).
 __device__ __forceinline__ float& score_at(float (&v)[16], int j, int e) { return v[4 * j + e]; }
 __device__ __forceinline__ float& score_at(float (&v)[4][4], int j, int e) { return v[j][e]; }
 
-// Scale tile scores to log2 units, mask them (unless the tile holds only prefix keys inside the
-// split) and take the maxima of the thread's two rows.
+// Scale the tile's scores to log2 units, mask them, and take the maxima of the thread's two rows. A plain
+// tile (all prefix keys inside the split) needs no mask and takes the short path; otherwise the rows'
+// verify tokens are found once and each key tested against them.
 template <typename Scores>
 __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx& cx, int H, int key0, int r0, int c,
                                                Scores& v, float (&tmax)[2]) {
-  const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
   tmax[0] = tmax[1] = -INFINITY;
+  const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
+  if (plain) {
 #pragma unroll
-  for (int j = 0; j < kTileN / 8; ++j) {
+    for (int j = 0; j < kTileN / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int half = e >> 1;
-      float sc = score_at(v, j, e) * prm.scale_log2;
-      if (!plain && !key_visible(prm, cx, key0 + j * 8 + 2 * c + (e & 1), r0 + half * 8, H)) sc = -INFINITY;
-      score_at(v, j, e) = sc;
-      tmax[half] = fmaxf(tmax[half], sc);
-    }
+      for (int e = 0; e < 4; ++e) {
+        float& x = score_at(v, j, e);
+        x *= prm.scale_log2;
+        tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
+      }
+  } else {
+    const int rn[2] = {row_token(cx, r0, H), row_token(cx, r0 + 8, H)};
+#pragma unroll
+    for (int j = 0; j < kTileN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float& x = score_at(v, j, e);
+        x = key_visible_n(prm, cx, key0 + j * 8 + 2 * c + (e & 1), rn[e >> 1]) ? x * prm.scale_log2 : -INFINITY;
+        tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
+      }
   }
 }
 

@@ -23,7 +23,10 @@ using kdtree::ReqPlan;
 
 constexpr size_t kAlign = 256;
 constexpr int kMaxDevices = 64;
-constexpr int kSplitsPerSm = 2;  // a long request becomes ~2 work items per SM (one CTA per SM)
+#ifndef KDTREE_SPLITS_PER_SM   // experiment switch (branch next/s6-switches): 1 halves the partials of a long request
+#define KDTREE_SPLITS_PER_SM 2
+#endif
+constexpr int kSplitsPerSm = KDTREE_SPLITS_PER_SM;  // a long request becomes ~2 work items per SM (one CTA per SM)
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
