@@ -23,10 +23,12 @@ using kdtree::ReqPlan;
 
 constexpr size_t kAlign = 256;
 constexpr int kMaxDevices = 64;
-#ifndef KDTREE_SPLITS_PER_SM   // experiment switch (branch next/s6-switches): 1 halves the partials of a long request
-#define KDTREE_SPLITS_PER_SM 2
+// A long request becomes ~KDTREE_SPLITS_PER_SM work items per SM (one CTA per SM). 1 since session 6
+// (2 before: twice the partials and item start-ups; 1 was faster on every benchmark shape, B8 included)
+#ifndef KDTREE_SPLITS_PER_SM
+#define KDTREE_SPLITS_PER_SM 1
 #endif
-constexpr int kSplitsPerSm = KDTREE_SPLITS_PER_SM;  // a long request becomes ~2 work items per SM (one CTA per SM)
+constexpr int kSplitsPerSm = KDTREE_SPLITS_PER_SM;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
