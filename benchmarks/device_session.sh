@@ -38,11 +38,13 @@ if has bench; then
     KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang $( has quick && echo --quick ) --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"
   fi
 fi
-if has mmatests; then   # the kernel tests on the mma.sync code paths (the sm_120 one and the 3-stage one)
+if has mmatests; then   # the kernel tests on the other code paths (mma.sync: the sm_120 one and the 3-stage one; pingpong)
   log "kernel tests, KDTREE_SPLIT_STAGES=2 (the sm_120 pipeline)"
   KDTREE_SPLIT_STAGES=2 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=mma (mma.sync, 3 stages)"
   KDTREE_SPLIT_KERNEL=mma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_SPLIT_KERNEL=pingpong (sm_90a, two symmetric warpgroups)"
+  KDTREE_SPLIT_KERNEL=pingpong python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

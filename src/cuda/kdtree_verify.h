@@ -118,11 +118,13 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where
  * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Read once per device:
  * KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage (sm_120)
- * pipeline, so that code path can be measured and tested on an H100/H200. */
+ * pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=pingpong
+ * selects the second sm_90a kernel (two symmetric warpgroups, verify_pingpong.cuh). */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
 /* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 90 (sm_90a
- * wgmma), 3 or 2 (mma.sync with that many key stages). Returns KDTREE_OK or an error status. */
+ * wgmma), 91 (sm_90a wgmma, ping-pong warpgroups), 3 or 2 (mma.sync with that many key stages).
+ * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 
 /* Build the compact tree mask from SGLang's flat custom_mask on `stream` (no host sync):
