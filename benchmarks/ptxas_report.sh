@@ -15,6 +15,7 @@ for arch in 90a 120; do
     | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])EEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages>/; \
               s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
+              s/_ZN6kdtree2pp35kdtree_verify_split_pingpong_kernelENS_6ParamsE/kdtree_verify_split_pingpong_kernel/; \
               s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
               s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
               s/_ZN6kdtree25kdtree_verify_plan_kernelENS_6ParamsE/kdtree_verify_plan_kernel/"
@@ -22,12 +23,12 @@ for arch in 90a 120; do
 done
 cat > "$tmp/sz.cu" <<'CU'
 #include <cstdio>
-#include "verify_wgmma.cuh"
+#include "verify_pingpong.cuh"
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B (sm_120 limit 101376), 3 stages %zu B, "
-         "wgmma %zu B (sm_90 limit 232448)\n", sizeof(kdtree::SharedStorage<2>), sizeof(kdtree::SharedStorage<3>),
-         kdtree::wg::kSmemBytes);
+         "wgmma %zu B, pingpong %zu B (sm_90 limit 232448)\n", sizeof(kdtree::SharedStorage<2>),
+         sizeof(kdtree::SharedStorage<3>), kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes);
 }
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
-echo "On sm_120 only kdtree_verify_split_kernel<2 stages> runs; the wgmma kernel there is a __trap() stub."
+echo "On sm_120 only kdtree_verify_split_kernel<2 stages> runs; the two wgmma kernels there are __trap() stubs."
