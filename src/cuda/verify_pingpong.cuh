@@ -12,8 +12,10 @@
 //   registers (RS wgmma), the other warpgroup's P from shared memory.
 // - The online softmax runs in tile order across the two: the owner of tile t needs m_{t-1}, the
 //   running row maxima after tile t-1, which the other warpgroup published with P_{t-1}. Each keeps its
-//   own partial row sum (rescaled by every tile's alpha), added at the end of the item.
-// - Hand-offs per tile, from the owner w to the other: m_t and P_t (p_full[w], an mbarrier with the
+//   own partial row sum (rescaled by every tile's alpha) and publishes it with its P; at the end of the
+//   item each adds the other's latest one, rescaled to the final maxima (no exchange at the end: a
+//   shared-memory exchange across a barrier there drew RAW reports from racecheck, history 53).
+// - Hand-offs per tile, from the owner w to the other: m_t, its row sums and P_t (p_full[w], an mbarrier with the
 //   release / acquire; named barrier kBarP + w only wakes the waiting warpgroup up), and back: P_t and
 //   V_t consumed (p_empty[w], one arrival per thread of the other warpgroup after its wgmma completed),
 //   which also frees tile t's key buffer: the owner gathers tile t + 4 into it after that wait.
@@ -51,7 +53,7 @@ struct Smem {
   unsigned char kv[kStages][kTileBytes];   // 147,456
   unsigned char p[2][kPBytes];             // P of warpgroup w's latest tile
   float m[2][kBlockM];                     // the running row maxima after warpgroup w's latest tile
-  float l[2][kBlockM];                     // warpgroup w's row sums at the end of an item
+  float l[2][kBlockM];                     // warpgroup w's row sums after its latest tile (relative to m)
   unsigned long long full[kStages];        // tile landed: 128 arrivals, one per gather thread of its owner
   unsigned long long p_full[2];            // P / m of warpgroup w published: 128 arrivals (release)
   unsigned long long p_empty[2];           // consumed by the other warpgroup: 128 arrivals (release)
@@ -100,6 +102,26 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
       cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, key < cx.k1 ? 16 : 0);
   }
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&sm.full[b])) : "memory");
+}
+
+// Experiment switch: KDTREE_PP_L2_PREFETCH = D > 0: when the owner gathers its tile u, it also prefetches
+// into L2 its tile u + 2 D (D own tiles further), so that the later cp.async finds the rows in L2 (0: off).
+#ifndef KDTREE_PP_L2_PREFETCH
+#define KDTREE_PP_L2_PREFETCH 0
+#endif
+constexpr int kL2Ahead = 2 * KDTREE_PP_L2_PREFETCH;   // in tiles
+__device__ __forceinline__ void l2_prefetch_tile(const Params& prm, const ItemCtx& cx, int t, int gt,
+                                                 const long long (&slot)[2]) {
+  const int cc = gt % 8;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = cx.k0 + t * kTileN + gt / 8 + 16 * h;
+    if (t < cx.ntiles && key < cx.k1 && key < cx.rp.p) {
+      const char* row = reinterpret_cast<const char*>(prm.kv + slot[h] * prm.kv_ss);
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + cc * 128));
+      if (cc == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + 8 * 128));
+    }
+  }
 }
 
 __device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& cx, int t, int gt, long long (&slot)[2]) {
@@ -172,6 +194,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     gather_slots(prm, cx, w + 4, gt, pend);
     gather_tile(sm, prm, cx, w, w, gt, s0);
     gather_tile(sm, prm, cx, w + 2, w + 2, gt, s1);
+    long long pf[2] = {0, 0};   // slot ids of the next own tile to prefetch into L2
+    if (kL2Ahead > 0) {   // own tiles w + 4 .. w + 2 + kL2Ahead now, then one per own tile
+      for (int u = w + 4; u <= w + 2 + kL2Ahead; u += 2) {
+        gather_slots(prm, cx, u, gt, pf);
+        l2_prefetch_tile(prm, cx, u, gt, pf);
+      }
+      gather_slots(prm, cx, w + 4 + kL2Ahead, gt, pf);
+    }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");   // this thread's q copies (the gathers are uncommitted)
     fence_proxy_async();
     __syncthreads();   // all of q in shared memory
@@ -181,6 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};   // the running maxima after the latest tile seen
     float l_run[2] = {0.f, 0.f};               // this warpgroup's partial row sums, relative to m_run
+    float l_oth[2] = {0.f, 0.f};               // the other's row sums after its latest tile ...
+    float m_oth[2] = {-INFINITY, -INFINITY};   // ... relative to these maxima
     float s[16];
     uint32_t pa[8];                            // own P of the latest tile as RS A fragments (2 k-steps)
 
@@ -216,6 +248,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float m_new = sm.m[1 - w][wrow + g + half * 8];
+        l_oth[half] = sm.l[1 - w][wrow + g + half * 8];
+        m_oth[half] = m_new;
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         a[half] = fast_exp2(m_run[half] - m_use);
         m_run[half] = m_new;
@@ -266,7 +300,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
         }
       }
 #pragma unroll
-      for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+      float l_row[2];   // the rows' sums over this warpgroup's tiles (quad reduced), published with P
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        l_run[half] = l_run[half] * alpha[half] + psum[half];
+        l_row[half] = l_run[half] + __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+        l_row[half] += __shfl_xor_sync(0xffffffffu, l_row[half], 2);
+      }
       // 4. publish P_t and m_t once the other warpgroup is done with this warpgroup's previous tile
       //    (the first own tile of an item waits on the phase before: complete); that also frees the
       //    key buffer of tile t - 2: gather tile t + 2 into it
@@ -286,13 +326,19 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       if (c == 0) {
         sm.m[w][wrow + g] = m_run[0];
         sm.m[w][wrow + g + 8] = m_run[1];
+        sm.l[w][wrow + g] = l_row[0];
+        sm.l[w][wrow + g + 8] = l_row[1];
       }
-      fence_proxy_async();   // P is read next by wgmma (the async proxy); m by plain loads
+      fence_proxy_async();   // P is read next by wgmma (the async proxy); m and l by plain loads
       mbar_arrive(&sm.p_full[w]);
       bar_arrive(kBarP + w, kThreads);
       if (t >= 2) {
         gather_tile(sm, prm, cx, t + 2, (t + 2) % kStages, gt, pend);
         gather_slots(prm, cx, t + 4, gt, pend);
+        if (kL2Ahead > 0) {
+          l2_prefetch_tile(prm, cx, t + 2 + kL2Ahead, gt, pf);
+          gather_slots(prm, cx, t + 4 + kL2Ahead, gt, pf);
+        }
       }
       // 5. P V of tile t: the other tile's product done (then release its P and key buffer), O rescaled
       wg::wg_wait0();
@@ -312,22 +358,19 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     }
     wg::wg_wait0();
 
-    // end of the item: row sums of both warpgroups added, O normalised into its row
+    // end of the item: this warpgroup's row sums plus the other's latest, rescaled to the final maxima
+    // (m_run: every tile's maxima have been seen), O normalised into its row
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
       l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+      if (l_oth[half] > 0.f) l_run[half] += l_oth[half] * fast_exp2(m_oth[half] - m_run[half]);
     }
-    if (c == 0) {
-      sm.l[w][wrow + g] = l_run[0];
-      sm.l[w][wrow + g + 8] = l_run[1];
-    }
-    __syncthreads();   // (a named barrier of all 256 threads here drew RAW reports from racecheck)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wrow + g + half * 8;
       if (r < cx.rows) {
-        const float l = sm.l[0][r] + sm.l[1][r];
+        const float l = l_run[half];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         if (w == 0 && c == 0 && cx.rp.nsplit > 1) {
           const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
