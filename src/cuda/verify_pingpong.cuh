@@ -104,26 +104,6 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&sm.full[b])) : "memory");
 }
 
-// Experiment switch: KDTREE_PP_L2_PREFETCH = D > 0: when the owner gathers its tile u, it also prefetches
-// into L2 its tile u + 2 D (D own tiles further), so that the later cp.async finds the rows in L2 (0: off).
-#ifndef KDTREE_PP_L2_PREFETCH
-#define KDTREE_PP_L2_PREFETCH 0
-#endif
-constexpr int kL2Ahead = 2 * KDTREE_PP_L2_PREFETCH;   // in tiles
-__device__ __forceinline__ void l2_prefetch_tile(const Params& prm, const ItemCtx& cx, int t, int gt,
-                                                 const long long (&slot)[2]) {
-  const int cc = gt % 8;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = cx.k0 + t * kTileN + gt / 8 + 16 * h;
-    if (t < cx.ntiles && key < cx.k1 && key < cx.rp.p) {
-      const char* row = reinterpret_cast<const char*>(prm.kv + slot[h] * prm.kv_ss);
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + cc * 128));
-      if (cc == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + 8 * 128));
-    }
-  }
-}
-
 __device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& cx, int t, int gt, long long (&slot)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -194,14 +174,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     gather_slots(prm, cx, w + 4, gt, pend);
     gather_tile(sm, prm, cx, w, w, gt, s0);
     gather_tile(sm, prm, cx, w + 2, w + 2, gt, s1);
-    long long pf[2] = {0, 0};   // slot ids of the next own tile to prefetch into L2
-    if (kL2Ahead > 0) {   // own tiles w + 4 .. w + 2 + kL2Ahead now, then one per own tile
-      for (int u = w + 4; u <= w + 2 + kL2Ahead; u += 2) {
-        gather_slots(prm, cx, u, gt, pf);
-        l2_prefetch_tile(prm, cx, u, gt, pf);
-      }
-      gather_slots(prm, cx, w + 4 + kL2Ahead, gt, pf);
-    }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");   // this thread's q copies (the gathers are uncommitted)
     fence_proxy_async();
     __syncthreads();   // all of q in shared memory
@@ -299,7 +271,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
           pa[4 * (j >> 1) + 2 * (j & 1) + half] = pack_bf16(p0, p1);
         }
       }
-#pragma unroll
       float l_row[2];   // the rows' sums over this warpgroup's tiles (quad reduced), published with P
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -335,10 +306,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       if (t >= 2) {
         gather_tile(sm, prm, cx, t + 2, (t + 2) % kStages, gt, pend);
         gather_slots(prm, cx, t + 4, gt, pend);
-        if (kL2Ahead > 0) {
-          l2_prefetch_tile(prm, cx, t + 2 + kL2Ahead, gt, pf);
-          gather_slots(prm, cx, t + 4 + kL2Ahead, gt, pf);
-        }
       }
       // 5. P V of tile t: the other tile's product done (then release its P and key buffer), O rescaled
       wg::wg_wait0();
