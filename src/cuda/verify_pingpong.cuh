@@ -12,10 +12,10 @@
 //   registers (RS wgmma), the other warpgroup's P from shared memory.
 // - The online softmax runs in tile order across the two: the owner of tile t needs m_{t-1}, the
 //   running row maxima after tile t-1, which the other warpgroup published with P_{t-1}. Each keeps its
-//   own partial row sum (rescaled by every tile's alpha) and publishes it with its P; at the end of the
-//   item each adds the other's latest one, rescaled to the final maxima (no exchange at the end: a
-//   shared-memory exchange across a barrier there drew RAW reports from racecheck, history 53).
-// - Hand-offs per tile, from the owner w to the other: m_t, its row sums and P_t (p_full[w], an mbarrier with the
+//   own partial row sum (rescaled by every tile's alpha); at the end of the item the two are exchanged
+//   through shared memory on the l_full mbarriers (an exchange across a named barrier or __syncthreads
+//   drew RAW reports from racecheck, history 53; publishing the sums with every P cost ~5% at N65).
+// - Hand-offs per tile, from the owner w to the other: m_t and P_t (p_full[w], an mbarrier with the
 //   release / acquire; named barrier kBarP + w only wakes the waiting warpgroup up), and back: P_t and
 //   V_t consumed (p_empty[w], one arrival per thread of the other warpgroup after its wgmma completed),
 //   which also frees tile t's key buffer: the owner gathers tile t + 4 into it after that wait.
@@ -53,10 +53,11 @@ struct Smem {
   unsigned char kv[kStages][kTileBytes];   // 147,456
   unsigned char p[2][kPBytes];             // P of warpgroup w's latest tile
   float m[2][kBlockM];                     // the running row maxima after warpgroup w's latest tile
-  float l[2][kBlockM];                     // warpgroup w's row sums after its latest tile (relative to m)
+  float l[2][kBlockM];                     // warpgroup w's row sums at the end of an item
   unsigned long long full[kStages];        // tile landed: 128 arrivals, one per gather thread of its owner
   unsigned long long p_full[2];            // P / m of warpgroup w published: 128 arrivals (release)
   unsigned long long p_empty[2];           // consumed by the other warpgroup: 128 arrivals (release)
+  unsigned long long l_full[2];            // warpgroup w's row sums of the item stored: 128 arrivals (release)
   int item;
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     for (int i = 0; i < 2; ++i) {
       mbar_init(&sm.p_full[i], 128);
       mbar_init(&sm.p_empty[i], 128);
+      mbar_init(&sm.l_full[i], 128);
     }
     fence_proxy_async();
   }
@@ -143,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
   uint32_t full_bits = 0u;            // parity of the next wait per key buffer
   uint32_t pf_parity = 0u;            // p_full[1 - w]: the other warpgroup's P
   uint32_t pe_parity = 0u;            // p_empty[w]: own P consumed
+  uint32_t lf_parity = 0u;            // l_full[1 - w]: once per item
   const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
   for (;;) {
     if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
@@ -183,8 +186,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};   // the running maxima after the latest tile seen
     float l_run[2] = {0.f, 0.f};               // this warpgroup's partial row sums, relative to m_run
-    float l_oth[2] = {0.f, 0.f};               // the other's row sums after its latest tile ...
-    float m_oth[2] = {-INFINITY, -INFINITY};   // ... relative to these maxima
     float s[16];
     uint32_t pa[8];                            // own P of the latest tile as RS A fragments (2 k-steps)
 
@@ -220,8 +221,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float m_new = sm.m[1 - w][wrow + g + half * 8];
-        l_oth[half] = sm.l[1 - w][wrow + g + half * 8];
-        m_oth[half] = m_new;
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         a[half] = fast_exp2(m_run[half] - m_use);
         m_run[half] = m_new;
@@ -271,13 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
           pa[4 * (j >> 1) + 2 * (j & 1) + half] = pack_bf16(p0, p1);
         }
       }
-      float l_row[2];   // the rows' sums over this warpgroup's tiles (quad reduced), published with P
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        l_run[half] = l_run[half] * alpha[half] + psum[half];
-        l_row[half] = l_run[half] + __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-        l_row[half] += __shfl_xor_sync(0xffffffffu, l_row[half], 2);
-      }
+      for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
       // 4. publish P_t and m_t once the other warpgroup is done with this warpgroup's previous tile
       //    (the first own tile of an item waits on the phase before: complete); that also frees the
       //    key buffer of tile t - 2: gather tile t + 2 into it
@@ -297,10 +291,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       if (c == 0) {
         sm.m[w][wrow + g] = m_run[0];
         sm.m[w][wrow + g + 8] = m_run[1];
-        sm.l[w][wrow + g] = l_row[0];
-        sm.l[w][wrow + g + 8] = l_row[1];
       }
-      fence_proxy_async();   // P is read next by wgmma (the async proxy); m and l by plain loads
+      fence_proxy_async();   // P is read next by wgmma (the async proxy); m by plain loads
       mbar_arrive(&sm.p_full[w]);
       bar_arrive(kBarP + w, kThreads);
       if (t >= 2) {
@@ -325,19 +317,25 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     }
     wg::wg_wait0();
 
-    // end of the item: this warpgroup's row sums plus the other's latest, rescaled to the final maxima
-    // (m_run: every tile's maxima have been seen), O normalised into its row
+    // end of the item: both warpgroups' row sums (each relative to the final maxima: every tile's were
+    // seen) exchanged on the l_full mbarriers and added, O normalised into its row
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
       l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
-      if (l_oth[half] > 0.f) l_run[half] += l_oth[half] * fast_exp2(m_oth[half] - m_run[half]);
     }
+    if (c == 0) {
+      sm.l[w][wrow + g] = l_run[0];
+      sm.l[w][wrow + g + 8] = l_run[1];
+    }
+    mbar_arrive(&sm.l_full[w]);
+    mbar_wait(&sm.l_full[1 - w], lf_parity);
+    lf_parity ^= 1u;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wrow + g + half * 8;
       if (r < cx.rows) {
-        const float l = l_run[half];
+        const float l = l_run[half] + sm.l[1 - w][r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         if (w == 0 && c == 0 && cx.rp.nsplit > 1) {
           const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
