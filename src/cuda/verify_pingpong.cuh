@@ -157,19 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
 
     // q of the item (swizzled K-major, zeros for padding rows): 64 rows x 72 chunks over 256 threads,
     // one cp.async group; then the owner's first two tiles, their slot ids loaded together first
-    for (int i = tid; i < kBlockM * kChunksPerKey; i += kThreads) {
-      const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
-      const __nv_bfloat16* src = prm.zero_row;
-      if (r < cx.rows) {
-        const int rr = cx.row0 + r;
-        const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
-        const int d = ch * 8;
-        src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
-      }
-      cp_async_16z(smem_u32(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
-                   r < cx.rows ? 16 : 0);
-    }
+    wg::issue_q_copies(prm, cx, H, sm.q, tid, kThreads);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     long long s0[2], s1[2], pend[2];
     gather_slots(prm, cx, w, gt, s0);

@@ -122,6 +122,26 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// q of a work item into shared memory by asynchronous copies (all in flight at once): 64 rows x 72
+// chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs), zeros for padding rows, thread
+// `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
+__device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx& cx, int H, unsigned char* q, int tid,
+                                               int nthreads) {
+  for (int i = tid; i < kBlockM * kChunksPerKey; i += nthreads) {
+    const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
+    const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
+    if (r < cx.rows) {
+      const int rr = cx.row0 + r;
+      const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
+      const int d = ch * 8;
+      src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                         : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
+    }
+    cp_async_16z(smem_u32(&q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
+                 r < cx.rows ? 16 : 0);
+  }
+}
+
 // Value thread vt gathers chunk vt % 8 of each of the 9 slabs of key vt / 8 of tile t into buffer b
 // (zero-fill past the split end). The tile announces itself: each thread follows its copies with
 // cp.async.mbarrier.arrive.noinc, which arrives on the tile's mbarrier once they have landed, so no
@@ -193,19 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72
       // chunks of 16 bytes over the 128 score threads, as asynchronous copies that are all in flight
       // at once (a load-then-store loop waits one L2 round trip per chunk: 36 in a row per thread)
-      for (int i = tid; i < kBlockM * kChunksPerKey; i += 128) {
-        const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
-        const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
-        if (r < cx.rows) {
-          const int rr = cx.row0 + r;
-          const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
-          const int d = ch * 8;
-          src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                             : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
-        }
-        cp_async_16z(smem_u32(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
-                     r < cx.rows ? 16 : 0);
-      }
+      issue_q_copies(prm, cx, H, sm.q, tid, 128);
       cp_async_wait_all();   // this thread's q copies (the score WG issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
       bar_sync(kBarScore, 128);
