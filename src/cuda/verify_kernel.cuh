@@ -332,6 +332,12 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, uint32_t phas
       "r"(phase)
       : "memory");
 }
+// Waits for the next phase of buffer b's mbarrier (bit b of `bits`: the parity it waits for) and
+// advances that bit: the ring of key buffers, one mbarrier each, waited once per tile.
+__device__ __forceinline__ void mbar_wait_buffer(unsigned long long* bars, uint32_t& bits, int b) {
+  mbar_wait(&bars[b], (bits >> b) & 1u);
+  bits ^= 1u << b;
+}
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int bytes, unsigned long long* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
@@ -369,7 +375,6 @@ struct ItemCtx {
   int k0, k1;            // key range [k0, k1) of this split, keys >= p are drafts
   int ntiles;
 };
-
 
 // The work item `item` of the plan: its request, split, row tile and key range, for row tiles of
 // BlockM rows and key tiles of TileN keys (the split kernel's own sizes, as the plan used them).
@@ -479,6 +484,12 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
   }
 }
 
+// The partial log2-sum-exp of tile row r of a split request's item (-inf for a row that saw no key).
+__device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemCtx& cx, int H, int r, float m, float l) {
+  const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
+  prm.partial_lse[prow] = l > 0.f ? m + log2f(l) : -INFINITY;
+}
+
 // End of an item, score side: l (a per-thread partial) reduced over the quad, the row statistics
 // stored for the value side, and for a split request the partial log2-sum-exp of each row (after
 // `bar`, the barrier the value side waits on before it reads row_m / row_l).
@@ -502,11 +513,7 @@ __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wrow + g + half * 8;
-      if (r < cx.rows) {
-        const float l = l_run[half];
-        const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
-        prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
-      }
+      if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_run[half], l_run[half]);
     }
   }
 }
@@ -651,8 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         const int b = it % Stages;
         // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile
         // it-Stages): they refilled this buffer only after finishing it.
-        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);
-        phase_bits ^= 1u << b;
+        mbar_wait_buffer(sm.full, phase_bits, b);
         if (warp == 0) KDTREE_TRACE(0);
         // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
         // finished with it (the refill is issued after), but that chain runs through the copy
@@ -732,8 +738,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % Stages;
         bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
-        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // already complete: acquires the keys' bytes
-        phase_bits ^= 1u << b;
+        mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
         if (vw == 0) KDTREE_TRACE(4);
 #pragma unroll
         for (int rb = 0; rb < kScoreWarps; ++rb) {
@@ -842,7 +847,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
-
 
 // Block-wide max or sum in a fixed tree order (deterministic); every thread gets the result.
 template <bool Max>

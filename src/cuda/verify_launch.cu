@@ -55,12 +55,12 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   return l;
 }
 
-
 // Per device, once (benign race: idempotent values): SM count and the split kernel that runs there:
 // the wgmma kernel on compute capability 9.0 when the build carries sm_90a code, else the mma.sync
 // kernel with 3 stages where a block may take that much shared memory, 2 otherwise (sm_120).
 // KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the mma.sync kernel with
-// its sm_120 depth: to measure and test those code paths on an H100/H200.
+// its sm_120 depth: to measure and test those code paths on an H100/H200; KDTREE_SPLIT_KERNEL=pingpong
+// selects the second sm_90a kernel (verify_pingpong.cuh).
 enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91 };
 // the wgmma kernels' work items (64-row tiles, 32-key tiles)
 bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong; }
@@ -186,10 +186,10 @@ int validate(const kdtree_verify_params* p) {
 // the stream: its blocks may be scheduled before that kernel completes, and wait in
 // grid_dependency_wait() (verify_kernel.cuh) before reading anything. CUDA graphs capture the edge.
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(KernelArgs...), unsigned grid_x, unsigned grid_y, int threads, size_t smem,
-                          cudaStream_t stream, bool pdl, Args&&... args) {
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), unsigned blocks, int threads, size_t smem, cudaStream_t stream,
+                          bool pdl, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid_x, grid_y, 1);
+  cfg.gridDim = dim3(blocks, 1, 1);
   cfg.blockDim = dim3(threads, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -276,16 +276,16 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
 
   const bool pdl = dev.pdl;
-  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
   const SplitLaunch split = split_launch(dev.kernel);
-  KDTREE_TRY(launch_kernel(split.kernel, sms, 1, split.threads, split.smem, stream, pdl, prm));
+  KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
   // rows are few (and may need more slices)
   const long long combine_rows = (long long)p->num_tokens * p->num_heads;
   const long long combine_blocks =
       std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms));
-  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, 1, kdtree::kCombineThreads,
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, kdtree::kCombineThreads,
                            0, stream, pdl, prm));
   return KDTREE_OK;
 }
@@ -304,7 +304,7 @@ int kdtree_pack_tree_mask(const uint8_t* custom_mask, const int64_t* mask_indptr
   const long long n = (long long)num_tokens * out_words;
   const int threads = 128;
   const long long blocks = (n + threads - 1) / threads;
-  KDTREE_TRY(launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)blocks, 1, threads, 0,
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)blocks, threads, 0,
                            static_cast<cudaStream_t>(stream_ptr), dev.pdl, custom_mask, mask_indptr, qo_indptr,
                            qo_indptr_dtype == KDTREE_INDEX_INT64 ? 1 : 0, kv_indptr, batch_size, num_tokens, out,
                            out_words));

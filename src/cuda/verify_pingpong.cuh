@@ -32,7 +32,6 @@ using wg::kBlockM;
 using wg::kTileN;
 using wg::kSlabs;
 using wg::kSlabBytes;
-using wg::kSlabDims;
 using wg::kTileBytes;
 using wg::kQSlabBytes;
 using wg::kChunksPerKey;
@@ -84,35 +83,20 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_bt(float (&d)[128], const ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-
-// Gather thread gt (0..127) of the owner copies chunk gt % 8 of each of the 9 slabs of keys gt / 8 and
-// gt / 8 + 16 of tile t into buffer b (zero-fill past the split end), then arrives on the tile's
-// mbarrier once they have landed (cp.async.mbarrier.arrive.noinc). Past the last tile: nothing.
+// Gather thread gt (0..127) of the owner copies chunk gt % 8 of each slab of keys gt / 8 and gt / 8 + 16
+// of tile t into buffer b, then arrives on the tile's mbarrier once they have landed. Past the last
+// tile: nothing.
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int gt,
                                             const long long (&slot)[2]) {
   if (t >= cx.ntiles) return;
-  const int cc = gt % 8;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int kt = gt / 8 + 16 * h;
-    const int key = cx.k0 + t * kTileN + kt;
-    const __nv_bfloat16* src = key_ptr(prm, cx, key, slot[h]);
-    const uint32_t dst = smem_u32(&sm.kv[b][0]) + kt * 128 + ((cc ^ (kt & 7)) << 4);
-#pragma unroll
-    for (int slab = 0; slab < kSlabs; ++slab)
-      cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, key < cx.k1 ? 16 : 0);
-  }
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&sm.full[b])) : "memory");
+  for (int h = 0; h < 2; ++h) wg::copy_key_chunks(smem_u32(&sm.kv[b][0]), prm, cx, t, gt / 8 + 16 * h, gt % 8, slot[h]);
+  wg::arrive_when_landed(&sm.full[b]);
 }
 
 __device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& cx, int t, int gt, long long (&slot)[2]) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = cx.k0 + t * kTileN + gt / 8 + 16 * h;
-    slot[h] = t < cx.ntiles && key < cx.k1 && key < cx.rp.p
-                  ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
-                  : 0;
-  }
+  for (int h = 0; h < 2; ++h) slot[h] = wg::tile_key_slot(prm, cx, t, gt / 8 + 16 * h);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kernel(Params prm) {
@@ -177,24 +161,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     float s[16];
     uint32_t pa[8];                            // own P of the latest tile as RS A fragments (2 k-steps)
 
-    auto wait_full = [&](int t) {
-      const int b = t % kStages;
-      mbar_wait(&sm.full[b], (full_bits >> b) & 1u);
-      full_bits ^= 1u << b;
-    };
+    auto wait_full = [&](int t) { mbar_wait_buffer(sm.full, full_bits, t % kStages); };
     auto v_desc = [&](int t, int kk) {   // B of P V: V_t, value columns of this warpgroup, k-step kk
       return SmemDesc(smem_u32(&sm.kv[t % kStages][0]) + (4 * w) * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128);
-    };
-    auto scale_o = [&](const float (&a)[2]) {
-      if (!__all_sync(0xffffffffu, a[0] == 1.f && a[1] == 1.f)) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j] *= a[0];
-          o[4 * j + 1] *= a[0];
-          o[4 * j + 2] *= a[1];
-          o[4 * j + 3] *= a[1];
-        }
-      }
     };
     // P V of the other warpgroup's tile u (after its P and m are published): alpha_u from the maxima
     // before / after u; this warpgroup's earlier products complete before O is rescaled (wait<0>, which
@@ -215,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
         l_run[half] *= a[half];
       }
       wg::wg_wait0();
-      scale_o(a);
+      wg::rescale_o(o, a[0], a[1]);
       fence_proxy_async();
       wg::wg_fence();
       const uint64_t pdesc = desc_sw64(smem_u32(&sm.p[1 - w][0]));
@@ -290,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       // 5. P V of tile t: the other tile's product done (then release its P and key buffer), O rescaled
       wg::wg_wait0();
       if (t > 0 && t + 1 < nt) mbar_arrive(&sm.p_empty[1 - w]);   // not after the other's last tile
-      scale_o(alpha);
+      wg::rescale_o(o, alpha[0], alpha[1]);
       wg::wg_fence();
 #pragma unroll
       for (int kk = 0; kk < kPvSteps; ++kk) {
@@ -325,14 +294,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       if (r < cx.rows) {
         const float l = l_run[half] + sm.l[1 - w][r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (w == 0 && c == 0 && cx.rp.nsplit > 1) {
-          const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
-          prm.partial_lse[prow] = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
-        }
-        __nv_bfloat16* dst = result_row(prm, cx, r) + 256 * w;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * c) = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+        if (w == 0 && c == 0 && cx.rp.nsplit > 1) write_partial_lse(prm, cx, H, r, m_run[half], l);
+        wg::store_o_row(prm, cx, r, w, o, half, c, inv);
       }
     }
     __syncthreads();   // the item's shared memory is consumed before the next item starts

@@ -142,31 +142,66 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
   }
 }
 
-// Value thread vt gathers chunk vt % 8 of each of the 9 slabs of key vt / 8 of tile t into buffer b
-// (zero-fill past the split end). The tile announces itself: each thread follows its copies with
-// cp.async.mbarrier.arrive.noinc, which arrives on the tile's mbarrier once they have landed, so no
-// thread waits for its own copies. Past the last tile nothing is issued and nobody arrives.
-__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
-                                            long long slot) {
-  if (t >= cx.ntiles) return;
-  const int kt = vt / kThreadsPerKey;
+// Chunk cc (0..7) of each of the 9 slabs of key kt of tile t into the key buffer at shared address
+// `kv`, in the 128-byte swizzled layout (zero-fill past the split end).
+__device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, const ItemCtx& cx, int t, int kt, int cc,
+                                                long long slot) {
   const int key = cx.k0 + t * kTileN + kt;
   const bool valid = key < cx.k1;
   const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
-  const uint32_t row = smem_u32(&sm.kv[b][0]) + kt * 128;
-  const int cc = vt % kThreadsPerKey;
-  const uint32_t dst = row + ((cc ^ (kt & 7)) << 4);
+  const uint32_t dst = kv + kt * 128 + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
   for (int slab = 0; slab < kSlabs; ++slab)
     cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&sm.full[b])) : "memory");
 }
-
-__device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCtx& cx, int t, int vt) {
-  const int key = cx.k0 + t * kTileN + vt / kThreadsPerKey;
+// The tile announces itself: a thread follows its copies with this, which arrives on the tile's
+// mbarrier once they have landed, so no thread waits for its own copies.
+__device__ __forceinline__ void arrive_when_landed(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Slot id of key kt of tile t (0 past the tiles, the split or the prefix: those copy no pool row).
+__device__ __forceinline__ long long tile_key_slot(const Params& prm, const ItemCtx& cx, int t, int kt) {
+  const int key = cx.k0 + t * kTileN + kt;
   return t < cx.ntiles && key < cx.k1 && key < cx.rp.p
              ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
              : 0;
+}
+
+// Value thread vt gathers chunk vt % 8 of each slab of key vt / 8 of tile t into buffer b, then
+// arrives on the tile's mbarrier once they have landed. Past the last tile nothing is issued and
+// nobody arrives.
+__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
+                                            long long slot) {
+  if (t >= cx.ntiles) return;
+  copy_key_chunks(smem_u32(&sm.kv[b][0]), prm, cx, t, vt / kThreadsPerKey, vt % kThreadsPerKey, slot);
+  arrive_when_landed(&sm.full[b]);
+}
+
+__device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCtx& cx, int t, int vt) {
+  return tile_key_slot(prm, cx, t, vt / kThreadsPerKey);
+}
+
+// O (64 rows x 256 value columns, wgmma accumulator layout) *= the factors of the thread's two rows,
+// skipped when the whole warp's factors are 1.
+__device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
+  if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= a0;
+      o[4 * j + 1] *= a0;
+      o[4 * j + 2] *= a1;
+      o[4 * j + 3] *= a1;
+    }
+  }
+}
+// Row r (the thread's row `half`) of O, times inv, as bf16 into value columns [256 v, 256 v + 256) of
+// the row's result.
+__device__ __forceinline__ void store_o_row(const Params& prm, const ItemCtx& cx, int r, int v, const float (&o)[128],
+                                            int half, int c, float inv) {
+  __nv_bfloat16* dst = result_row(prm, cx, r) + 256 * v;
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+    *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * c) = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
 }
 
 #ifdef KDTREE_EXP_TRACE
@@ -232,8 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       SmemDesc kd(0, 16, 1024);
       auto s_begin = [&](int t) {
         const int bt = t % kStages;
-        mbar_wait(&sm.full[bt], (phase_bits >> bt) & 1u);   // every value thread's copies landed
-        phase_bits ^= 1u << bt;
+        mbar_wait_buffer(sm.full, phase_bits, bt);   // every value thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         kd = SmemDesc(smem_u32(&sm.kv[bt][0]), 16, 1024);
         wg_fence();
@@ -375,23 +409,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         bar_sync(kBarPFull, kThreads);   // P / alpha of tile it: wake up ...
         mbar_wait(&sm.p_full, p_parity);   // ... and acquire (complete by now)
         p_parity ^= 1u;
-        mbar_wait(&sm.full[b], (phase_bits >> b) & 1u);   // landed (the score WG saw it already)
-        phase_bits ^= 1u << b;
+        mbar_wait_buffer(sm.full, phase_bits, b);   // landed (the score WG saw it already)
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
         if (warp == 4) KDTREE_WTRACE(5);
-        {
-          const float a0 = sm.alpha[wrow + g];
-          const float a1 = sm.alpha[wrow + g + 8];
-          if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-              o[4 * j] *= a0;
-              o[4 * j + 1] *= a0;
-              o[4 * j + 2] *= a1;
-              o[4 * j + 3] *= a1;
-            }
-          }
-        }
+        rescale_o(o, sm.alpha[wrow + g], sm.alpha[wrow + g + 8]);
         {
           const SmemDesc pd(smem_u32(&sm.p[0]), 16, 1024);
           const SmemDesc vd(smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes, kSlabBytes, 1024);
@@ -422,11 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         const int r = wrow + g + half * 8;
         if (r < cx.rows) {
           const float l = sm.row_l[r];
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          __nv_bfloat16* dst = result_row(prm, cx, r) + 256 * v;
-#pragma unroll
-          for (int j = 0; j < 32; ++j)
-            *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * c) = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+          store_o_row(prm, cx, r, v, o, half, c, l > 0.f ? 1.f / l : 0.f);
         }
       }
       __syncthreads();
