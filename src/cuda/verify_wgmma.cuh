@@ -36,7 +36,12 @@ namespace wg {
 constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
 constexpr int kTileN = 32;                  // keys per pipeline tile
 static_assert(kTileN == kdtree::kTileN, "scale_mask_max (shared with the mma.sync kernel) takes 32-key tiles");
-constexpr int kStages = 4;
+// Experiment switch (session 7, history 54): the key ring's depth (4 fills the 227 KB with q's 72 KB)
+#ifndef KDTREE_WG_STAGES
+#define KDTREE_WG_STAGES 4
+#endif
+constexpr int kStages = KDTREE_WG_STAGES;
+static_assert(kStages >= 2 && kStages <= 4, "2..4 key stages fit beside q");
 constexpr int kThreads = 384;               // 3 warpgroups
 constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
 constexpr int kSlabs = kDimQK / kSlabDims;  // 9
