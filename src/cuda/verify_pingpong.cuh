@@ -50,7 +50,7 @@ constexpr int kBarP = 1;     // + w: the owner w arrives after publishing P, the
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
-  unsigned char kv[kStages][kTileBytes];   // 147,456
+  unsigned char kv[kStages][kTileBytes];   // 147,456 (also read as q's rows 16-63 with KDTREE_WG_Q16)
   unsigned char p[2][kPBytes];             // P of warpgroup w's latest tile
   float m[2][kBlockM];                     // the running row maxima after warpgroup w's latest tile
   float l[2][kBlockM];                     // warpgroup w's row sums at the end of an item
@@ -152,24 +152,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     __syncthreads();
     const int item = sm.item;
     if (item >= total) return;
-    const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+    const ItemCtx cx = item_ctx<wg::kItemRows, kTileN>(prm, item);
     const int nt = cx.ntiles;
 
     // q of the item (swizzled K-major, zeros for padding rows): 64 rows x 72 chunks over 256 threads,
     // one cp.async group; then the owner's first two tiles, their slot ids loaded together first
-    for (int i = tid; i < kBlockM * kChunksPerKey; i += kThreads) {
-      const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
-      const __nv_bfloat16* src = prm.zero_row;
-      if (r < cx.rows) {
-        const int rr = cx.row0 + r;
-        const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
-        const int d = ch * 8;
-        src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
-      }
-      cp_async_16z(smem_u32(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
-                   r < cx.rows ? 16 : 0);
-    }
+    wg::issue_q_copies(prm, cx, H, sm.q, tid, kThreads);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     long long s0[2], s1[2], pend[2];
     gather_slots(prm, cx, w, gt, s0);

@@ -33,21 +33,31 @@
 namespace kdtree {
 namespace wg {
 
-constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
+constexpr int kBlockM = 64;                 // one wgmma M
+// Experiment switch (session 7, PERF_LOG next step 0): KDTREE_WG_Q16=1 makes work items of 16 rows (q in
+// 18 KB instead of 72 KB) and gives the freed shared memory to a fifth key stage. The wgmma still computes
+// 64 rows: rows 16-63 read whatever follows each 2 KB q slab (other slabs, then the key ring: finite
+// values) and are discarded (padding rows). For H*N <= 16 requests (N1) only: larger requests get 16-row
+// items, correct but reading every key once per 16 rows.
+#ifndef KDTREE_WG_Q16
+#define KDTREE_WG_Q16 0
+#endif
+constexpr int kItemRows = KDTREE_WG_Q16 ? 16 : kBlockM;   // rows per work item (the plan's block_m)
 constexpr int kTileN = 32;                  // keys per pipeline tile
 static_assert(kTileN == kdtree::kTileN, "scale_mask_max (shared with the mma.sync kernel) takes 32-key tiles");
-// Experiment switch (session 7, history 54): the key ring's depth (4 fills the 227 KB with q's 72 KB)
+// Experiment switch (session 7, history 54): the key ring's depth (4 fills the 227 KB with q's 72 KB;
+// KDTREE_WG_Q16 frees room for a fifth)
 #ifndef KDTREE_WG_STAGES
-#define KDTREE_WG_STAGES 4
+#define KDTREE_WG_STAGES (KDTREE_WG_Q16 ? 5 : 4)
 #endif
 constexpr int kStages = KDTREE_WG_STAGES;
-static_assert(kStages >= 2 && kStages <= 4, "2..4 key stages fit beside q");
+static_assert(kStages >= 2 && kStages <= (KDTREE_WG_Q16 ? 5 : 4), "key stages that fit beside q");
 constexpr int kThreads = 384;               // 3 warpgroups
 constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
 constexpr int kSlabs = kDimQK / kSlabDims;  // 9
 constexpr int kSlabBytes = kTileN * 128;    // 4,096: one 64-column slab of a key tile
 constexpr int kTileBytes = kSlabs * kSlabBytes;  // 36,864
-constexpr int kQSlabBytes = kBlockM * 128;  // 8,192: one 64-column slab of q
+constexpr int kQSlabBytes = kItemRows * 128;  // 8,192: one 64-column slab of q (2,048 with KDTREE_WG_Q16)
 constexpr int kChunksPerKey = kKeyBytes / 16;    // 72
 constexpr int kValueThreads = 256;
 constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
@@ -91,6 +101,8 @@ struct Smem {
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
 static_assert(kSlabBytes % 1024 == 0 && kQSlabBytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
+static_assert(kSlabs * kQSlabBytes + 6 * 1024 <= kSlabs * kQSlabBytes + kStages * kTileBytes,
+              "rows past a short q tile are read inside the struct");
 
 // Shared-memory matrix descriptor, 128-byte swizzle (start address, leading and stride byte offsets),
 // kept as its two 32-bit halves so that a step through a tile is one add on the low half: at(off) is
@@ -125,6 +137,26 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// q of a work item into shared memory by asynchronous copies (all in flight at once): 64 rows x 72
+// chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs), zeros for padding rows, thread
+// `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
+__device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx& cx, int H, unsigned char* q, int tid,
+                                               int nthreads) {
+  for (int i = tid; i < kItemRows * kChunksPerKey; i += nthreads) {
+    const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
+    const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
+    if (r < cx.rows) {
+      const int rr = cx.row0 + r;
+      const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
+      const int d = ch * 8;
+      src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                         : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
+    }
+    cp_async_16z(smem_u32(&q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
+                 r < cx.rows ? 16 : 0);
+  }
 }
 
 // Value thread vt gathers chunk vt % 8 of each of the 9 slabs of key vt / 8 of tile t into buffer b
@@ -193,24 +225,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       __syncthreads();
       const int item = sm.item;
       if (item >= total) return;
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kItemRows, kTileN>(prm, item);
 
       // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72
       // chunks of 16 bytes over the 128 score threads, as asynchronous copies that are all in flight
       // at once (a load-then-store loop waits one L2 round trip per chunk: 36 in a row per thread)
-      for (int i = tid; i < kBlockM * kChunksPerKey; i += 128) {
-        const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
-        const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
-        if (r < cx.rows) {
-          const int rr = cx.row0 + r;
-          const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
-          const int d = ch * 8;
-          src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                             : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
-        }
-        cp_async_16z(smem_u32(&sm.q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
-                     r < cx.rows ? 16 : 0);
-      }
+      issue_q_copies(prm, cx, H, sm.q, tid, 128);
       cp_async_wait_all();   // this thread's q copies (the score WG issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
       bar_sync(kBarScore, 128);
@@ -347,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
       if (item >= total) return;
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kItemRows, kTileN>(prm, item);
 
       // prologue: tiles 0 .. kStages-1 on their way (each announces itself when it has landed); the
       // slot ids of tiles 0 .. kStages are loaded together first (each copy's asm orders any load
