@@ -265,7 +265,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  prm.block_m = is_wgmma(dev.kernel) ? kdtree::wg::kBlockM : kdtree::kBlockM;
+  prm.block_m = is_wgmma(dev.kernel) ? kdtree::wg::kItemRows : kdtree::kBlockM;
   prm.tile_n = is_wgmma(dev.kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);

@@ -49,7 +49,7 @@ constexpr int kBarP = 1;     // + w: the owner w arrives after publishing P, the
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
-  unsigned char kv[kStages][kTileBytes];   // 147,456
+  unsigned char kv[kStages][kTileBytes];   // 147,456 (also read as q's rows 16-63 with KDTREE_WG_Q16)
   unsigned char p[2][kPBytes];             // P of warpgroup w's latest tile
   float m[2][kBlockM];                     // the running row maxima after warpgroup w's latest tile
   float l[2][kBlockM];                     // warpgroup w's row sums at the end of an item
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     __syncthreads();
     const int item = sm.item;
     if (item >= total) return;
-    const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+    const ItemCtx cx = item_ctx<wg::kItemRows, kTileN>(prm, item);
     const int nt = cx.ntiles;
 
     // q of the item (swizzled K-major, zeros for padding rows): 64 rows x 72 chunks over 256 threads,

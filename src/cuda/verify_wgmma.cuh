@@ -33,16 +33,31 @@
 namespace kdtree {
 namespace wg {
 
-constexpr int kBlockM = 64;                 // rows per work item: one wgmma M
+constexpr int kBlockM = 64;                 // one wgmma M
+// Experiment switch (session 7, PERF_LOG next step 0): KDTREE_WG_Q16=1 makes work items of 16 rows (q in
+// 18 KB instead of 72 KB) and gives the freed shared memory to a fifth key stage. The wgmma still computes
+// 64 rows: rows 16-63 read whatever follows each 2 KB q slab (other slabs, then the key ring: finite
+// values) and are discarded (padding rows). For H*N <= 16 requests (N1) only: larger requests get 16-row
+// items, correct but reading every key once per 16 rows.
+#ifndef KDTREE_WG_Q16
+#define KDTREE_WG_Q16 0
+#endif
+constexpr int kItemRows = KDTREE_WG_Q16 ? 16 : kBlockM;   // rows per work item (the plan's block_m)
 constexpr int kTileN = 32;                  // keys per pipeline tile
 static_assert(kTileN == kdtree::kTileN, "scale_mask_max (shared with the mma.sync kernel) takes 32-key tiles");
-constexpr int kStages = 4;
+// Experiment switch (session 7, history 54): the key ring's depth (4 fills the 227 KB with q's 72 KB;
+// KDTREE_WG_Q16 frees room for a fifth)
+#ifndef KDTREE_WG_STAGES
+#define KDTREE_WG_STAGES (KDTREE_WG_Q16 ? 5 : 4)
+#endif
+constexpr int kStages = KDTREE_WG_STAGES;
+static_assert(kStages >= 2 && kStages <= (KDTREE_WG_Q16 ? 5 : 4), "key stages that fit beside q");
 constexpr int kThreads = 384;               // 3 warpgroups
 constexpr int kSlabDims = 64;               // bf16 per 128-byte swizzle row
 constexpr int kSlabs = kDimQK / kSlabDims;  // 9
 constexpr int kSlabBytes = kTileN * 128;    // 4,096: one 64-column slab of a key tile
 constexpr int kTileBytes = kSlabs * kSlabBytes;  // 36,864
-constexpr int kQSlabBytes = kBlockM * 128;  // 8,192: one 64-column slab of q
+constexpr int kQSlabBytes = kItemRows * 128;  // 8,192: one 64-column slab of q (2,048 with KDTREE_WG_Q16)
 constexpr int kChunksPerKey = kKeyBytes / 16;    // 72
 constexpr int kValueThreads = 256;
 constexpr int kThreadsPerKey = kValueThreads / kTileN;       // 8: thread vt copies chunk vt % 8 of each slab
@@ -86,6 +101,8 @@ struct Smem {
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
 static_assert(kSlabBytes % 1024 == 0 && kQSlabBytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
+static_assert(kSlabs * kQSlabBytes + 6 * 1024 <= kSlabs * kQSlabBytes + kStages * kTileBytes,
+              "rows past a short q tile are read inside the struct");
 
 // Shared-memory matrix descriptor, 128-byte swizzle (start address, leading and stride byte offsets),
 // kept as its two 32-bit halves so that a step through a tile is one add on the low half: at(off) is
@@ -127,7 +144,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t
 // `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
 __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx& cx, int H, unsigned char* q, int tid,
                                                int nthreads) {
-  for (int i = tid; i < kBlockM * kChunksPerKey; i += nthreads) {
+  for (int i = tid; i < kItemRows * kChunksPerKey; i += nthreads) {
     const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
     const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
     if (r < cx.rows) {
@@ -243,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       __syncthreads();
       const int item = sm.item;
       if (item >= total) return;
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kItemRows, kTileN>(prm, item);
 
       // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72
       // chunks of 16 bytes over the 128 score threads, as asynchronous copies that are all in flight
@@ -384,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
       if (item >= total) return;
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kItemRows, kTileN>(prm, item);
 
       // prologue: tiles 0 .. kStages-1 on their way (each announces itself when it has landed); the
       // slot ids of tiles 0 .. kStages are loaded together first (each copy's asm orders any load
