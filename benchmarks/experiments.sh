@@ -2,8 +2,9 @@
 # Profiling aid: rebuild with compile-time variants of the split kernel and time them.
 #   KDTREE_EXPERIMENTS="NONE NO_SCORE_MMA NO_SCORE_MMA+NO_PV_MMA" KDTREE_EXP_ONLY=P131072 KDTREE_EXP_TESTS=1 bash benchmarks/experiments.sh
 # A variant is NONE or names joined by "+": a KDTREE_EXP_* knock-out (NO_GATHER, NO_SCORE_MMA, NO_PV_MMA,
-# TRACE; never set in a normal build) or D:NAME=VALUE for any other macro.
-# TRACE (-DKDTREE_EXP_TRACE) runs benchmarks/trace_case.py on KDTREE_TRACE_SHAPES instead of the benchmark.
+# TRACE, TIMELINE; never set in a normal build) or D:NAME=VALUE for any other macro.
+# TRACE (-DKDTREE_EXP_TRACE) runs benchmarks/trace_case.py on KDTREE_TRACE_SHAPES instead of the benchmark;
+# TIMELINE (-DKDTREE_EXP_TIMELINE) runs benchmarks/timeline_case.py on KDTREE_TIMELINE_CASES (prefix N pairs).
 # KDTREE_EXP_TESTS=1 also runs the kernel's GPU tests on each variant; KDTREE_EXP_QUICK=0 lets
 # KDTREE_EXP_ONLY pick from the whole shape set (default: the --quick three).
 set -uo pipefail
@@ -26,6 +27,10 @@ for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA}; do
     for shape in ${KDTREE_TRACE_SHAPES:-131072:9 131072:1}; do
       python3 benchmarks/trace_case.py ${shape/:/ } 2>&1 | sed -n '/=== call 2/,$p' | grep -E "===|TRACE block 0" | head -${KDTREE_TRACE_LINES:-70}
     done
+    continue
+  fi
+  if [[ "$v" == *TIMELINE* ]]; then   # per-kernel start / wait / end of graph replays (printf)
+    python3 benchmarks/timeline_case.py ${KDTREE_TIMELINE_CASES:-131072 1 8192 9 131072 9} 2>&1 | grep -E "===|TIMELINE"
     continue
   fi
   quick=--quick; [ "${KDTREE_EXP_QUICK:-1}" = 0 ] && quick=""   # 0: --only picks from the whole shape set

@@ -26,7 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#ifdef KDTREE_EXP_TRACE
+#if defined(KDTREE_EXP_TRACE) || defined(KDTREE_EXP_TIMELINE)
 #include <cstdio>
 #endif
 
@@ -192,6 +192,24 @@ __device__ __forceinline__ void grid_dependency_launch_dependents() {
 #endif
 }
 
+// Profiling aid (-DKDTREE_EXP_TIMELINE, never in a normal build): per kernel of a call (0 mask pack, 1 plan,
+// 2 split, 3 combine) the %globaltimer of its first block's start, of the first block past
+// griddepcontrol.wait and of its last block's end; the combine's last block prints them (ns from the
+// first start) and resets them for the next call. benchmarks/timeline_case.py runs it in a CUDA graph.
+#ifdef KDTREE_EXP_TIMELINE
+__device__ unsigned long long g_timeline[4][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}};
+__device__ unsigned g_timeline_done = 0;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define KDTREE_TIMELINE(k, e) \
+  do { if (threadIdx.x == 0) { if (e == 2) atomicMax(&g_timeline[k][2], global_ns()); else atomicMin(&g_timeline[k][e], global_ns()); } } while (0)
+#else
+#define KDTREE_TIMELINE(k, e) do { } while (0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans).
 // ---------------------------------------------------------------------------------------------
@@ -204,8 +222,10 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   __shared__ int s_max_nsplit;
   __shared__ long long s_carry_rows;
   const int tid = threadIdx.x;
+  KDTREE_TIMELINE(1, 0);
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the indptr arrays may come from the previous kernel on the stream
+  KDTREE_TIMELINE(1, 1);
   if (tid == 0) {
     s_carry_items = 0;
     s_max_nsplit = 1;
@@ -275,6 +295,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   }
   __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
   for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
+  KDTREE_TIMELINE(1, 2);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -869,7 +890,9 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
   __shared__ float s_acc[kCombineAcc];
   __shared__ float s_w[kCombineThreads];   // weights of one chunk of 256 splits
   __shared__ float s_red[kCombineWarps];
+  KDTREE_TIMELINE(3, 0);
   grid_dependency_wait();                  // the split pass's partials (programmatic launch)
+  KDTREE_TIMELINE(3, 1);
   const int tid = threadIdx.x;
   // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
   // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
@@ -938,6 +961,21 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
           pack_bf16(v0 * inv, v1 * inv);
     }
   }
+#ifdef KDTREE_EXP_TIMELINE
+  KDTREE_TIMELINE(3, 2);
+  __threadfence();
+  if (threadIdx.x == 0 && atomicAdd(&g_timeline_done, 1u) == gridDim.x - 1) {
+    unsigned long long t0 = ~0ull;
+    for (int k = 0; k < 4; ++k) t0 = min(t0, g_timeline[k][0]);
+    printf("TIMELINE us from the first start: mask %.2f %.2f %.2f | plan %.2f %.2f %.2f | split %.2f %.2f %.2f | combine %.2f %.2f %.2f\n",
+           (double)(g_timeline[0][0] - t0) * 1e-3, (double)(g_timeline[0][1] - t0) * 1e-3, (double)(g_timeline[0][2] - t0) * 1e-3,
+           (double)(g_timeline[1][0] - t0) * 1e-3, (double)(g_timeline[1][1] - t0) * 1e-3, (double)(g_timeline[1][2] - t0) * 1e-3,
+           (double)(g_timeline[2][0] - t0) * 1e-3, (double)(g_timeline[2][1] - t0) * 1e-3, (double)(g_timeline[2][2] - t0) * 1e-3,
+           (double)(g_timeline[3][0] - t0) * 1e-3, (double)(g_timeline[3][1] - t0) * 1e-3, (double)(g_timeline[3][2] - t0) * 1e-3);
+    for (int k = 0; k < 4; ++k) { g_timeline[k][0] = g_timeline[k][1] = ~0ull; g_timeline[k][2] = 0; }
+    g_timeline_done = 0;
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -946,9 +984,12 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
 __global__ void kdtree_pack_tree_mask_kernel(const uint8_t* custom_mask, const int64_t* mask_indptr,
                                              const void* qo_indptr, int qo64, const int32_t* kv_indptr,
                                              int batch, int num_tokens, uint64_t* out, int words) {
+  KDTREE_TIMELINE(0, 0);
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // custom_mask and the indptr arrays come from earlier work on the stream
+  KDTREE_TIMELINE(0, 1);
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  KDTREE_TIMELINE(0, 2);   // (the start of the last block to run: its few loads and store follow)
   if (idx >= (long long)num_tokens * words) return;
   const int t = (int)(idx / words);
   const int w = (int)(idx - (long long)t * words);

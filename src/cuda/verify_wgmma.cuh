@@ -238,8 +238,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
   const int lane = tid & 31;
   const int g = lane >> 2;
   const int c = lane & 3;
+  KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;
 
@@ -259,7 +261,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
       __syncthreads();
       const int item = sm.item;
-      if (item >= total) return;
+      if (item >= total) {
+        KDTREE_TIMELINE(2, 2);
+        return;
+      }
       const ItemCtx cx = item_ctx<kItemRows, kTileN>(prm, item);
 
       // q of the item into shared memory (swizzled K-major, zeros for padding rows): 64 rows x 72

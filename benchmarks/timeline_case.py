@@ -1,0 +1,29 @@
+"""When each kernel of one call starts, gets past its programmatic-launch wait and ends, replayed in a
+CUDA graph as SGLang runs verify (a profiling aid: build with -DKDTREE_EXP_TIMELINE, e.g.
+KDTREE_EXPERIMENTS=TIMELINE bash benchmarks/experiments.sh).
+
+    python benchmarks/timeline_case.py 131072 1 8192 9     # (prefix, N) pairs, H=16
+
+The combine kernel's last block prints one line per call: for mask pack, plan, split and combine the
+microseconds from the call's first kernel start to (first block start, first block past
+griddepcontrol.wait, last block end); each replay runs alone (synchronised), KV partly in L2.
+"""
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench import verify_call  # noqa: E402
+
+args = [int(a) for a in sys.argv[1:]] or [131072, 1, 8192, 9]
+for p, n in zip(args[0::2], args[1::2]):
+    b, out, kd = verify_call([p], 16, n, 3)
+    kd()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kd()
+    print(f"=== P{p} N{n}: three graph replays", flush=True)
+    for i in range(3):
+        g.replay()
+        torch.cuda.synchronize()
