@@ -66,7 +66,7 @@ constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partia
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
 __host__ __device__ constexpr int combine_slices(int nsplit) {
-  return nsplit <= 64 ? 1 : nsplit <= 128 ? 2 : nsplit <= 256 ? 4 : 8;
+  return nsplit <= 32 ? 1 : nsplit <= 64 ? 2 : nsplit <= 128 ? 4 : 8;   // <= 8 splits per thread group
 }
 
 // Named barriers (0 is __syncthreads): the whole block; "P of buffer b is ready" (score warps
@@ -859,36 +859,37 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 // stride over rows x the largest slice count of any row), fixed split order. A row with many splits
 // is cut into up to kCombineMaxSlices slices of value columns, so a short request's few rows do not
 // leave the GPU idle (H16 N1 P131072: 16 rows x 264 splits in 16 blocks took 16 us); a row with few
-// splits takes one block (its unused slices are skipped iterations of the stride). Every block
-// recomputes the row's split statistics (one split per thread, tree reductions); its 4 x slices
-// groups of threads each sum every (4 x slices)-th split of the block's columns, 16 bytes per thread
-// per load. The slice count comes from the row's own split count and every sum has a fixed order:
+// splits takes one block (its unused slices are skipped iterations of the stride). The block's
+// 4 x slices groups of threads each take every (4 x slices)-th split (16 bytes of partial O per thread
+// and its log-sum-exp): up to kCombineBatch splits per thread are loaded together (one memory round trip
+// for up to 256 splits; session 7: the dependent load phases of the earlier version took ~7 us in a
+// graph), summed against the thread's own running maximum, then rescaled to the block maximum and
+// summed over the groups in a fixed order. The slice count comes from the row's own split count:
 // batch-invariant, deterministic.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
+constexpr int kCombineBatch = 8;            // splits per thread per load batch
+static_assert(32 * kCombineBatch >= 256 && kCombineMaxSlices * 4 * kCombineBatch >= 256,
+              "one batch covers the split counts up to 256 (combine_slices)");
 
-// Block-wide max or sum in a fixed tree order (deterministic); every thread gets the result.
-template <bool Max>
-__device__ __forceinline__ float combine_block_reduce(float v, float* s_red) {
+// Block-wide max in a fixed tree order (deterministic); every thread gets the result.
+__device__ __forceinline__ float combine_block_max(float v, float* s_red) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = Max ? fmaxf(v, u) : v + u;
-  }
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   __syncthreads();   // s_red of an earlier reduction has been read
   if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
   __syncthreads();
   v = s_red[0];
 #pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) v = Max ? fmaxf(v, s_red[w]) : v + s_red[w];
+  for (int w = 1; w < kCombineWarps; ++w) v = fmaxf(v, s_red[w]);
   return v;
 }
 
 __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineAcc];
-  __shared__ float s_w[kCombineThreads];   // weights of one chunk of 256 splits
+  __shared__ float s_wsum[kCombineThreads];   // per thread group: its weight sum at the block maximum
   __shared__ float s_red[kCombineWarps];
   KDTREE_TIMELINE(3, 0);
   grid_dependency_wait();                  // the split pass's partials (programmatic launch)
@@ -912,45 +913,55 @@ __global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(
     const int groups = kCombineThreads / lanes;
     const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
     const long long rstride = (long long)rp.n * prm.heads;
-    const float* lse = prm.partial_lse + rp.partial_row + r;
-    float mx = -INFINITY;
-    for (int s = tid; s < rp.nsplit; s += kCombineThreads) mx = fmaxf(mx, lse[s * rstride]);
-    mx = combine_block_reduce<true>(mx, s_red);
     const int grp = tid / lanes;
     const int lcol = (tid % lanes) * 8;       // within the slice
     const int col0 = slice * cols;
+    const float* lse = prm.partial_lse + rp.partial_row + r;
+    const __nv_bfloat16* src = prm.partial_o + (rp.partial_row + r) * kDimNope + col0 + lcol;
+    // the group's splits grp, grp + groups, ...: weights 2^(lse - m_run) against the running maximum
+    float m_run = -INFINITY, wsum = 0.f;
     float acc[8] = {};
-    float wpart = 0.f;
-    if (mx != -INFINITY) {   // block-uniform
-      for (int base = 0; base < rp.nsplit; base += kCombineThreads) {
-        const int s = base + tid;
-        const float w = s < rp.nsplit ? exp2f(lse[s * rstride] - mx) : 0.f;
-        wpart += w;
-        __syncthreads();   // the previous chunk's weights are consumed
-        s_w[tid] = w;
-        __syncthreads();
-        const int cnt = min(kCombineThreads, rp.nsplit - base);
-        const __nv_bfloat16* src =
-            prm.partial_o + (rp.partial_row + r + (long long)base * rstride) * kDimNope + col0 + lcol;
-#pragma unroll 4
-        for (int i = grp; i < cnt; i += groups) {
-          const float wi = s_w[i];
-          const uint4 v = *reinterpret_cast<const uint4*>(src + (long long)i * rstride * kDimNope);
-          const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int base = grp; base < rp.nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
+      float l[kCombineBatch];
+      uint4 v[kCombineBatch];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float2 f = __bfloat1622float2(pv[k]);
-            acc[2 * k] += wi * f.x;
-            acc[2 * k + 1] += wi * f.y;
-          }
+      for (int k = 0; k < kCombineBatch; ++k) {
+        const int sp = base + k * groups;
+        l[k] = sp < rp.nsplit ? lse[sp * rstride] : -INFINITY;
+        v[k] = sp < rp.nsplit ? *reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope) : make_uint4(0, 0, 0, 0);
+      }
+      float m_new = m_run;
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
+      if (m_new == -INFINITY) continue;   // nothing visible yet (group-uniform)
+      const float sc = exp2f(m_run - m_new);   // 0 on the first visible batch (acc and wsum are 0 then)
+      wsum *= sc;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] *= sc;
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) {
+        const float wk = exp2f(l[k] - m_new);
+        wsum += wk;
+        const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(pv[q]);
+          acc[2 * q] += wk * f.x;
+          acc[2 * q + 1] += wk * f.y;
         }
       }
+      m_run = m_new;
     }
-    const float wsum = combine_block_reduce<false>(wpart, s_red);
+    // to the block maximum, then the groups' sums in a fixed order
+    const float m_blk = combine_block_max(m_run, s_red);
+    const float sc = m_run == -INFINITY ? 0.f : exp2f(m_run - m_blk);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i];
+    for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i] * sc;
+    if (lcol == 0) s_wsum[grp] = wsum * sc;
     __syncthreads();
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    float wtot = 0.f;
+    for (int q = 0; q < groups; ++q) wtot += s_wsum[q];
+    const float inv = wtot > 0.f ? 1.f / wtot : 0.f;
     for (int c = 2 * tid; c < cols; c += 2 * kCombineThreads) {   // one bf16 pair per step, groups in fixed order
       float v0 = 0.f, v1 = 0.f;
       for (int q = 0; q < groups; ++q) {
