@@ -66,7 +66,7 @@ constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partia
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
 __host__ __device__ constexpr int combine_slices(int nsplit) {
-  return nsplit <= 32 ? 1 : nsplit <= 64 ? 2 : nsplit <= 128 ? 4 : 8;   // <= 8 splits per thread group
+  return nsplit <= 64 ? 1 : nsplit <= 128 ? 2 : nsplit <= 256 ? 4 : 8;
 }
 
 // Named barriers (0 is __syncthreads): the whole block; "P of buffer b is ready" (score warps
@@ -862,17 +862,16 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 // splits takes one block (its unused slices are skipped iterations of the stride). The block's
 // 4 x slices groups of threads each take every (4 x slices)-th split (16 bytes of partial O per thread
 // and its log-sum-exp): up to kCombineBatch splits per thread are loaded together (one memory round trip
-// for up to 256 splits; session 7: the dependent load phases of the earlier version took ~7 us in a
-// graph), summed against the thread's own running maximum, then rescaled to the block maximum and
+// for up to 512 splits; session 7: the dependent load phases of the earlier version took ~7 us in a
+// graph, this one ~5), summed against the thread's own running maximum, then rescaled to the block maximum and
 // summed over the groups in a fixed order. The slice count comes from the row's own split count:
 // batch-invariant, deterministic.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
-constexpr int kCombineBatch = 8;            // splits per thread per load batch
-static_assert(32 * kCombineBatch >= 256 && kCombineMaxSlices * 4 * kCombineBatch >= 256,
-              "one batch covers the split counts up to 256 (combine_slices)");
+constexpr int kCombineBatch = 16;           // splits per thread per load batch
+static_assert(4 * kCombineBatch >= 64, "one batch covers every split count up to 256 (combine_slices: 64 per slice)");
 
 // Block-wide max in a fixed tree order (deterministic); every thread gets the result.
 __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
