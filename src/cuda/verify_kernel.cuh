@@ -65,8 +65,15 @@ constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partia
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
+// Splits per thread per load batch of the combine (session 7: 16, or 8 with more blocks per SM).
+#ifndef KDTREE_COMBINE_BATCH
+#define KDTREE_COMBINE_BATCH 16
+#endif
+constexpr int kCombineBatch = KDTREE_COMBINE_BATCH;
+static_assert(kCombineBatch == 8 || kCombineBatch == 16, "combine batch 8 or 16");
+// A slice has 4 x slices thread groups, so one load batch covers 4 x kCombineBatch splits per slice.
 __host__ __device__ constexpr int combine_slices(int nsplit) {
-  return nsplit <= 64 ? 1 : nsplit <= 128 ? 2 : nsplit <= 256 ? 4 : 8;
+  return nsplit <= 4 * kCombineBatch ? 1 : nsplit <= 8 * kCombineBatch ? 2 : nsplit <= 16 * kCombineBatch ? 4 : 8;
 }
 
 // Named barriers (0 is __syncthreads): the whole block; "P of buffer b is ready" (score warps
@@ -862,16 +869,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 // splits takes one block (its unused slices are skipped iterations of the stride). The block's
 // 4 x slices groups of threads each take every (4 x slices)-th split (16 bytes of partial O per thread
 // and its log-sum-exp): up to kCombineBatch splits per thread are loaded together (one memory round trip
-// for up to 512 splits; session 7: the dependent load phases of the earlier version took ~7 us in a
-// graph, this one ~5), summed against the thread's own running maximum, then rescaled to the block maximum and
+// for up to 32 x kCombineBatch splits; session 7: the dependent load phases of the earlier version took
+// ~7 us in a graph, this one ~5), summed against the thread's own running maximum, then rescaled to the block maximum and
 // summed over the groups in a fixed order. The slice count comes from the row's own split count:
 // batch-invariant, deterministic.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
-constexpr int kCombineBatch = 16;           // splits per thread per load batch
-static_assert(4 * kCombineBatch >= 64, "one batch covers every split count up to 256 (combine_slices: 64 per slice)");
+constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 4 : 2;   // per SM (registers: <= 64 / <= 128)
 
 // Block-wide max in a fixed tree order (deterministic); every thread gets the result.
 __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
@@ -886,7 +892,7 @@ __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
   return v;
 }
 
-__global__ void __launch_bounds__(kCombineThreads) kdtree_verify_combine_kernel(Params prm) {
+__global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineAcc];
   __shared__ float s_wsum[kCombineThreads];   // per thread group: its weight sum at the block maximum
   __shared__ float s_red[kCombineWarps];
