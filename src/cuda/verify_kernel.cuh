@@ -65,9 +65,10 @@ constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partia
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
-// Splits per thread per load batch of the combine (session 7: 16, or 8 with more blocks per SM).
+// Splits per thread per load batch of the combine (session 7: 8, 64 registers and 4 blocks per SM, was
+// faster than 16 at H128 N9 and B8, the same elsewhere).
 #ifndef KDTREE_COMBINE_BATCH
-#define KDTREE_COMBINE_BATCH 16
+#define KDTREE_COMBINE_BATCH 8
 #endif
 constexpr int kCombineBatch = KDTREE_COMBINE_BATCH;
 static_assert(kCombineBatch == 8 || kCombineBatch == 16, "combine batch 8 or 16");
