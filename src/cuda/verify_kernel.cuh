@@ -878,7 +878,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
-constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 4 : 2;   // per SM (registers: <= 64 / <= 128)
+// Blocks per SM the combine asks for (registers: <= 64 / 80 / 128): 4 with batch 8 on sm_90 (as
+// measured), 3 on sm_120, where 64 registers spill (ptxas, CUDA 13.0), 2 with batch 16.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 3 : 2;
+#else
+constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 4 : 2;
+#endif
 
 // Block-wide max in a fixed tree order (deterministic); every thread gets the result.
 __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
