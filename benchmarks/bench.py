@@ -102,6 +102,16 @@ def layer_call(b, out):
                                            tree, b.sm_scale, out=out)
 
 
+def graph_bench_ms(fn, rep_ms=300):
+    """fn() captured in a CUDA graph, replayed: its GPU time without Python launch cost."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return bench_ms(g.replay, rep_ms)
+
+
 def run_shape(s, extend_fwd, seed):
     b, out, kd = verify_call(s["prefixes"], s["heads"], s["n"], seed, pad=s.get("pad", 0),
                              causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
@@ -110,20 +120,8 @@ def run_shape(s, extend_fwd, seed):
     torch.cuda.synchronize()
     kd_ms = bench_ms(kd, 300)
     # the same call captured in a CUDA graph (as SGLang runs verify): GPU time without Python launch cost
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        kd()
-    g.replay()
-    torch.cuda.synchronize()
-    graph_ms = bench_ms(g.replay, 300)
-    lay = layer_call(b, out)
-    gl = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gl):
-        lay()
-    gl.replay()
-    torch.cuda.synchronize()
-    layer_ms = bench_ms(gl.replay, 300)
-    del g, gl
+    graph_ms = graph_bench_ms(kd)
+    layer_ms = graph_bench_ms(layer_call(b, out))
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
                shuffled=s.get("shuffle", True), kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)

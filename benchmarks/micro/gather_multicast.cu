@@ -169,6 +169,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (csize > 1) cluster_sync();  // no CTA leaves while a peer may still write into it or arrive on it
 }
 
+// A launch configuration for `grid` CTAs in clusters of `csize` (constructed in place: cfg points at attr).
+struct ClusterLaunch {
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = {};
+  ClusterLaunch(int csize, int grid, int smem) {
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = csize;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+};
+
 int main(int argc, char** argv) {
   const int nkeys = argc > 1 ? std::atoi(argv[1]) : 131072;
   const long long nslots = argc > 2 ? std::atoll(argv[2]) : 1048576;
@@ -217,36 +235,16 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   for (int csize : {1, 2, 3, 4}) {
-    cudaLaunchConfig_t oc = {};
-    oc.gridDim = dim3(132 / csize * csize);
-    oc.blockDim = dim3(kThreads);
-    oc.dynamicSmemBytes = smem;
-    cudaLaunchAttribute oa[1];
-    oa[0].id = cudaLaunchAttributeClusterDimension;
-    oa[0].val.clusterDim.x = csize;
-    oa[0].val.clusterDim.y = 1;
-    oa[0].val.clusterDim.z = 1;
-    oc.attrs = oa;
-    oc.numAttrs = 1;
+    ClusterLaunch oc(csize, 132 / csize * csize, smem);
     int nact = 0;
-    CK(cudaOccupancyMaxActiveClusters(&nact, gather, &oc));
+    CK(cudaOccupancyMaxActiveClusters(&nact, gather, &oc.cfg));
     std::printf("cluster size %d: at most %d clusters resident (%d CTAs)\n", csize, nact, nact * csize);
   }
   for (int csize : {1, 2, 3, 4})
     for (int mode = 0; mode < 5; ++mode) {
       if (csize == 1 && (mode == 2 || mode == 4)) continue;
       const int nclusters = 132 / csize, grid = nclusters * csize;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(grid);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeClusterDimension;
-      at[0].val.clusterDim.x = csize;
-      at[0].val.clusterDim.y = 1;
-      at[0].val.clusterDim.z = 1;
-      cfg.attrs = at;
-      cfg.numAttrs = 1;
+      ClusterLaunch cl(csize, grid, smem);
       std::vector<float> times;
       bool sum_ok = true, layout_ok = true;
       for (int rep = 0; rep < 12; ++rep) {
@@ -254,7 +252,7 @@ int main(int argc, char** argv) {
         CK(cudaMemset(sums, 0, 132 * 8));
         const bool check = rep == 0;
         CK(cudaEventRecord(e0));
-        CK(cudaLaunchKernelEx(&cfg, gather, tmap, (const __nv_bfloat16*)pool, (const int*)idx, ntiles, mode, csize, sums,
+        CK(cudaLaunchKernelEx(&cl.cfg, gather, tmap, (const __nv_bfloat16*)pool, (const int*)idx, ntiles, mode, csize, sums,
                               check ? dump : (uint8_t*)nullptr));
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
