@@ -513,6 +513,27 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
   }
 }
 
+// The tile's P = 2^(score - m_use) for the thread's 16 scores, as bf16 pairs handed to sink(j, half, pair)
+// (key group j, row r0 / r0 + 8 for half 0 / 1, keys 2c / 2c + 1), and the rows' running sums advanced:
+// l = alpha * l + this thread's part of the tile's row sums.
+template <typename Scores, typename Sink>
+__device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[2], const float (&alpha)[2],
+                                                float (&l_run)[2], Sink sink) {
+  float psum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float p0 = fast_exp2(score_at(v, j, 2 * half) - m_use[half]);
+      const float p1 = fast_exp2(score_at(v, j, 2 * half + 1) - m_use[half]);
+      psum[half] += p0 + p1;
+      sink(j, half, pack_bf16(p0, p1));
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+}
+
 // The partial log2-sum-exp of tile row r of a split request's item (-inf for a row that saw no key).
 __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemCtx& cx, int H, int r, float m, float l) {
   const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;

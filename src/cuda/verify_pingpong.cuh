@@ -215,20 +215,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       float tmax[2], m_use[2], alpha[2];
       scale_mask_max(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, s, tmax);
       softmax_advance(tmax, m_run, m_use, alpha);
-      float psum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < kTileN / 8; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float p0 = fast_exp2(s[4 * j + 2 * half] - m_use[half]);
-          const float p1 = fast_exp2(s[4 * j + 2 * half + 1] - m_use[half]);
-          psum[half] += p0 + p1;
-          // A fragment of k-step j / 2: a0 / a1 rows g / g + 8 keys 2c.., a2 / a3 the same 8 keys later
-          pa[4 * (j >> 1) + 2 * (j & 1) + half] = pack_bf16(p0, p1);
-        }
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+      softmax_p_pairs(s, m_use, alpha, l_run, [&](int j, int half, uint32_t pair) {
+        // A fragment of k-step j / 2: a0 / a1 rows g / g + 8 keys 2c.., a2 / a3 the same 8 keys later
+        pa[4 * (j >> 1) + 2 * (j & 1) + half] = pair;
+      });
       // 4. publish P_t and m_t once the other warpgroup is done with this warpgroup's previous tile
       //    (the first own tile of an item waits on the phase before: complete); that also frees the
       //    key buffer of tile t - 2: gather tile t + 2 into it

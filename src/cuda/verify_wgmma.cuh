@@ -322,20 +322,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       auto softmax_p = [&]() {
         mbar_wait(&sm.p_empty, p_parity);
         p_parity ^= 1u;
-        float psum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < kTileN / 8; ++j) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float p0 = fast_exp2(s[4 * j + 2 * half] - m_use[half]);
-            const float p1 = fast_exp2(s[4 * j + 2 * half + 1] - m_use[half]);
-            psum[half] += p0 + p1;
-            const int row = wrow + g + half * 8;
-            *reinterpret_cast<uint32_t*>(&sm.p[row * 128 + ((j ^ (row & 7)) << 4) + 4 * c]) = pack_bf16(p0, p1);
-          }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+        softmax_p_pairs(s, m_use, alpha, l_run, [&](int j, int half, uint32_t pair) {
+          const int row = wrow + g + half * 8;
+          *reinterpret_cast<uint32_t*>(&sm.p[row * 128 + ((j ^ (row & 7)) << 4) + 4 * c]) = pair;
+        });
       };
       // part 3: P and alpha published: the mbarrier carries the release (memory order), the named
       // barrier the wake-up (the value WGs sleep in bar.sync instead of spinning on the mbarrier)
