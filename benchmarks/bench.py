@@ -74,8 +74,10 @@ def sglang_extend():
 
 
 def verify_call(prefixes, heads, n, seed, **batch_kw):
-    """A benchmark batch on the GPU and the timed call on it: (batch, out, kd); kd() rebuilds the tree
-    mask from SGLang's custom_mask and runs kdtree.verify_attention into out (the whole verify call)."""
+    """A benchmark batch on the GPU and the timed calls on it: (batch, out, kd, layer). kd() rebuilds the tree
+    mask from SGLang's custom_mask and runs kdtree.verify_attention into out (the whole verify call);
+    layer() is the per-layer call of the SGLang integration, which packs the mask once per forward pass
+    (kdtree.sglang_patch reuses it for every later layer): plan, split and combine on a mask packed here."""
     b = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=seed,
                           min_pool_slots=MIN_POOL_SLOTS, poison=False, **batch_kw)
     t, h = b.q.shape[:2]
@@ -83,23 +85,15 @@ def verify_call(prefixes, heads, n, seed, **batch_kw):
     kv = kv_cache_2d(b.kv_buffer)
     out = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
 
-    def kd():
-        tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
+    def mask():
+        return build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
+
+    def attend(tree):
         kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
                                 b.sm_scale, out=out)
 
-    return b, out, kd
-
-
-def layer_call(b, out):
-    """The per-layer call of the SGLang integration: the tree mask is packed once per forward pass
-    (kdtree.sglang_patch reuses it for every later layer), so a layer runs plan, split and combine."""
-    t = b.q.shape[0]
-    q_nope, q_pe = split_mla_q(b.q)
-    kv = kv_cache_2d(b.kv_buffer)
-    tree = build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
-    return lambda: kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0],
-                                           tree, b.sm_scale, out=out)
+    tree = mask()
+    return b, out, lambda: attend(mask()), lambda: attend(tree)
 
 
 def graph_bench_ms(fn, rep_ms=300):
@@ -113,15 +107,15 @@ def graph_bench_ms(fn, rep_ms=300):
 
 
 def run_shape(s, extend_fwd, seed):
-    b, out, kd = verify_call(s["prefixes"], s["heads"], s["n"], seed, pad=s.get("pad", 0),
-                             causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
+    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, pad=s.get("pad", 0),
+                                    causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
     t, h = b.q.shape[:2]
     kd()
     torch.cuda.synchronize()
     kd_ms = bench_ms(kd, 300)
     # the same call captured in a CUDA graph (as SGLang runs verify): GPU time without Python launch cost
     graph_ms = graph_bench_ms(kd)
-    layer_ms = graph_bench_ms(layer_call(b, out))
+    layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
                shuffled=s.get("shuffle", True), kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)

@@ -17,7 +17,7 @@ from bench import verify_call  # benchmarks/bench.py: the same batch and call as
 
 
 def one(prefix: int, n: int, heads: int, calls: int = 20) -> None:
-    _, _, call = verify_call([prefix], heads, n, seed=3)
+    _, _, call, _ = verify_call([prefix], heads, n, seed=3)
 
     for _ in range(5):
         call()

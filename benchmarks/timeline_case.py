@@ -17,7 +17,7 @@ from bench import verify_call  # noqa: E402
 
 args = [int(a) for a in sys.argv[1:]] or [131072, 1, 8192, 9]
 for p, n in zip(args[0::2], args[1::2]):
-    b, out, kd = verify_call([p], 16, n, 3)
+    b, out, kd, _ = verify_call([p], 16, n, 3)
     kd()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
