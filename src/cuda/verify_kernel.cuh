@@ -755,20 +755,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
           scale_mask_max(prm, cx, H, cx.k0 + it * kTileN, wrow + g, c, acc, tmax);
           float alpha[2], m_use[2];
           softmax_advance(tmax, m_run, m_use, alpha);
-          float psum[2] = {0.f, 0.f};
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const float p0 = fast_exp2(acc[nt][2 * half] - m_use[half]);
-              const float p1 = fast_exp2(acc[nt][2 * half + 1] - m_use[half]);
-              psum[half] += p0 + p1;
-              const int row = wrow + g + half * 8;
-              *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, nt) + 2 * c) = pack_bf16(p0, p1);
-            }
-          }
-#pragma unroll
-          for (int half = 0; half < 2; ++half) l_run[half] = l_run[half] * alpha[half] + psum[half];
+          softmax_p_pairs(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
+            const int row = wrow + g + half * 8;
+            *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, nt) + 2 * c) = pair;
+          });
           if (c == 0) {
             sm.alpha[b][wrow + g] = alpha[0];
             sm.alpha[b][wrow + g + 8] = alpha[1];

@@ -70,6 +70,16 @@ constexpr int kPvSteps = kTileN / 16;       // 2
 #define KDTREE_WG_S_PIECES 3
 #endif
 constexpr int kSPieces = KDTREE_WG_S_PIECES;
+// The start-up of an item (session 8, history 68): the value WGs gather the first KDTREE_WG_Q_FIRST tiles,
+// then wait until the item's q has landed before they ask for the rest of the ring, so that q and the first
+// tiles are not queued behind the whole ring (every SM asks for 72 KB of q and four 36 KB tiles at once: q
+// landed ~10,000 clocks into the item at 8k, history 65). 2: -0.3..-3.7 us (0.6-1.5%, N1 2.4%) on the six
+// shapes measured in one run, 1 about as much; kStages: no wait (the session-7 kernel).
+#ifndef KDTREE_WG_Q_FIRST
+#define KDTREE_WG_Q_FIRST (KDTREE_WG_STAGES < 2 ? KDTREE_WG_STAGES : 2)
+#endif
+constexpr int kQFirst = KDTREE_WG_Q_FIRST;
+static_assert(kQFirst >= 1 && kQFirst <= kStages, "tiles asked for before q has landed: 1 .. kStages");
 static_assert(kSPieces >= 1 && kSPieces <= 3, "S pieces: 1, 2 or 3");
 constexpr int kSCut1 = kKSteps / kSPieces;                       // k-steps [0, kSCut1) before the softmax
 constexpr int kSCut2 = kSPieces == 3 ? 2 * kKSteps / 3 : kSCut1;  // [kSCut1, kSCut2) after the row maxima
@@ -93,6 +103,7 @@ struct Smem {
   unsigned long long full[kStages];   // tile landed: 256 arrivals, one per value thread's copies
   unsigned long long p_full;          // P / alpha published: 128 score-thread arrivals (release, RAW)
   unsigned long long p_empty;         // P / alpha consumed: 256 value-thread arrivals (release, WAR)
+  unsigned long long q_full;          // q of the item landed: 128 score-thread arrivals (KDTREE_WG_Q_FIRST)
   int item;
 #ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps (32-bit deltas) of warp 0 and warp 4
   unsigned trace[32][8];
@@ -249,6 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
     mbar_init(&sm.p_full, 128);
     mbar_init(&sm.p_empty, kValueThreads);
+    if constexpr (kQFirst < kStages) mbar_init(&sm.q_full, 128);
     fence_proxy_async();
   }
   __syncthreads();
@@ -273,6 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       issue_q_copies(prm, cx, H, sm.q, tid, 128);
       cp_async_wait_all();   // this thread's q copies (the score WG issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
+      if constexpr (kQFirst < kStages) mbar_arrive(&sm.q_full);   // the value WGs may ask for the rest
       bar_sync(kBarScore, 128);
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();
@@ -391,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     const int vt = tid - 128;           // 0..255
     const int v = vt >> 7;              // value warpgroup: columns [256 v, 256 v + 256)
     const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
-    uint32_t phase_bits = 0u, p_parity = 0u;
+    uint32_t phase_bits = 0u, p_parity = 0u, q_parity = 0u;
     for (;;) {
       __syncthreads();   // pairs with the score WG's item fetch
       const int item = sm.item;
@@ -405,7 +418,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 #pragma unroll
       for (int t = 0; t <= kStages; ++t) slots[t] = gather_slot(prm, cx, t, vt);
 #pragma unroll
-      for (int t = 0; t < kStages; ++t) gather_tile(sm, prm, cx, t, t, vt, slots[t]);
+      for (int t = 0; t < kStages; ++t) {
+        if (t == kQFirst) {   // (KDTREE_WG_Q_FIRST) the rest of the ring once q has landed
+          mbar_wait(&sm.q_full, q_parity);
+          q_parity ^= 1u;
+        }
+        gather_tile(sm, prm, cx, t, t, vt, slots[t]);
+      }
       long long slot = slots[kStages];
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();   // (a little later than the score WG's origin)
