@@ -114,10 +114,12 @@ def test_ragged_batch():
     _check(out, args)
 
 
-def test_many_work_items_per_block():
+@pytest.mark.parametrize("requests", [32, 64])
+def test_many_work_items_per_block(requests):
     # far more work items than SMs, of 1 to ~100 key tiles each: every block of the persistent grid
-    # runs many items back to back, so the split kernels' barrier phases carry across items of every length
-    prefixes = [int(x) for x in torch.randint(0, 3000, (64,), generator=torch.Generator().manual_seed(5))]
+    # runs many items back to back, so the split kernels' barrier phases carry across items of every length;
+    # 32 requests are the plan kernel's one-warp path at its fullest, 64 its block-wide scan
+    prefixes = [int(x) for x in torch.randint(0, 3000, (requests,), generator=torch.Generator().manual_seed(5))]
     batch = make_verify_batch(prefixes, 16, 9, kind="tree", device="cuda", seed=23)
     out, args = _run(batch)
     _check(out, args)

@@ -222,6 +222,42 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans).
 // ---------------------------------------------------------------------------------------------
 constexpr int kPlanThreads = 256;
+// Batches of up to 32 requests are planned by one warp with shuffle scans (session 8); 0: the block-wide scan
+// for every batch, as before (an experiment switch: the same plan either way).
+#ifndef KDTREE_PLAN_WARP
+#define KDTREE_PLAN_WARP 1
+#endif
+
+// The plan of request b alone (item_begin and partial_row are the caller's scan): its lengths, row tiles,
+// splits and chunk; `items` its work items, `rows` its partial rows (0 when it is not split).
+__device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& items, long long& rows) {
+  ReqPlan rp = {};
+  const int qb = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b);
+  const int qe = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b + 1);
+  const int kb = prm.kv_indptr[b];
+  const int ke = prm.kv_indptr[b + 1];
+  rp.qo_begin = qb;
+  rp.n = max(qe - qb, 0);
+  rp.kv_begin = kb;
+  rp.p = max(ke - kb, 0);
+  const int len = rp.p + rp.n;
+  const int r = rp.n * prm.heads;
+  rp.mtiles = (r + prm.block_m - 1) / prm.block_m;
+  int nsplit = 1;
+  if (rp.mtiles > 0) {
+    const int by_len = (len + kMinChunk - 1) / kMinChunk;
+    const int by_fill = max(1, prm.split_target / rp.mtiles);
+    nsplit = max(1, min(by_len, by_fill));
+  }
+  int chunk = (len + nsplit - 1) / max(nsplit, 1);
+  chunk = max(prm.tile_n, (chunk + prm.tile_n - 1) / prm.tile_n * prm.tile_n);
+  nsplit = len > 0 ? (len + chunk - 1) / chunk : 1;
+  rp.nsplit = nsplit;
+  rp.chunk = chunk;
+  items = rp.mtiles * nsplit;
+  rows = nsplit > 1 ? (long long)nsplit * r : 0;
+  return rp;
+}
 
 __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params prm) {
   __shared__ int s_items[kPlanThreads];
@@ -234,6 +270,40 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the indptr arrays may come from the previous kernel on the stream
   KDTREE_TIMELINE(1, 1);
+  __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
+  for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
+  if (KDTREE_PLAN_WARP && prm.batch <= 32) {   // one warp: shuffle scans, no block barriers (the split waits on this)
+    if (tid < 32) {
+      int items = 0;
+      long long rows = 0;
+      ReqPlan rp = {};
+      if (tid < prm.batch) rp = request_plan(prm, tid, items, rows);
+      int inc_items = items, max_nsplit = tid < prm.batch ? rp.nsplit : 1;
+      long long inc_rows = rows;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int vi = __shfl_up_sync(0xffffffffu, inc_items, off);
+        const long long vr = __shfl_up_sync(0xffffffffu, inc_rows, off);
+        if (tid >= off) {
+          inc_items += vi;
+          inc_rows += vr;
+        }
+        max_nsplit = max(max_nsplit, __shfl_xor_sync(0xffffffffu, max_nsplit, off));
+      }
+      if (tid < prm.batch) {
+        rp.item_begin = inc_items - items;
+        rp.partial_row = inc_rows - rows;
+        prm.plan[tid] = rp;
+      }
+      if (tid == 31) {
+        prm.counter[0] = 0;
+        prm.counter[1] = inc_items;
+        prm.counter[2] = combine_slices(max_nsplit);   // the combine's loop bound
+      }
+    }
+    KDTREE_TIMELINE(1, 2);
+    return;
+  }
   if (tid == 0) {
     s_carry_items = 0;
     s_max_nsplit = 1;
@@ -246,36 +316,13 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
     int items = 0;
     long long rows = 0;
     if (b < prm.batch) {
-      const int qb = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b);
-      const int qe = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b + 1);
-      const int kb = prm.kv_indptr[b];
-      const int ke = prm.kv_indptr[b + 1];
-      rp.qo_begin = qb;
-      rp.n = max(qe - qb, 0);
-      rp.kv_begin = kb;
-      rp.p = max(ke - kb, 0);
-      const int len = rp.p + rp.n;
-      const int r = rp.n * prm.heads;
-      rp.mtiles = (r + prm.block_m - 1) / prm.block_m;
-      int nsplit = 1;
-      if (rp.mtiles > 0) {
-        const int by_len = (len + kMinChunk - 1) / kMinChunk;
-        const int by_fill = max(1, prm.split_target / rp.mtiles);
-        nsplit = max(1, min(by_len, by_fill));
-      }
-      int chunk = (len + nsplit - 1) / max(nsplit, 1);
-      chunk = max(prm.tile_n, (chunk + prm.tile_n - 1) / prm.tile_n * prm.tile_n);
-      nsplit = len > 0 ? (len + chunk - 1) / chunk : 1;
-      rp.nsplit = nsplit;
-      atomicMax(&s_max_nsplit, nsplit);
-      rp.chunk = chunk;
-      items = rp.mtiles * nsplit;
-      rows = nsplit > 1 ? (long long)nsplit * r : 0;
+      rp = request_plan(prm, b, items, rows);
+      atomicMax(&s_max_nsplit, rp.nsplit);
     }
     s_items[tid] = items;
     s_rows[tid] = rows;
     __syncthreads();
-    // Hillis-Steele inclusive scan; B is small and this runs once per call.
+    // Hillis-Steele inclusive scan over a chunk of 256 requests.
     for (int off = 1; off < kPlanThreads; off <<= 1) {
       const int vi = tid >= off ? s_items[tid - off] : 0;
       const long long vr = tid >= off ? s_rows[tid - off] : 0;
@@ -301,8 +348,6 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
     prm.counter[1] = s_carry_items;
     prm.counter[2] = combine_slices(s_max_nsplit);   // the combine's loop bound
   }
-  __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
-  for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
   KDTREE_TIMELINE(1, 2);
 }
 
