@@ -259,6 +259,14 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
   return rp;
 }
 
+// The plan's totals for the split and combine kernels: the work counter reset, the item count, and the
+// combine's loop bound from the largest split count of any request.
+__device__ __forceinline__ void write_plan_totals(const Params& prm, int items, int max_nsplit) {
+  prm.counter[0] = 0;
+  prm.counter[1] = items;
+  prm.counter[2] = combine_slices(max_nsplit);
+}
+
 __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params prm) {
   __shared__ int s_items[kPlanThreads];
   __shared__ long long s_rows[kPlanThreads];
@@ -295,11 +303,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
         rp.partial_row = inc_rows - rows;
         prm.plan[tid] = rp;
       }
-      if (tid == 31) {
-        prm.counter[0] = 0;
-        prm.counter[1] = inc_items;
-        prm.counter[2] = combine_slices(max_nsplit);   // the combine's loop bound
-      }
+      if (tid == 31) write_plan_totals(prm, inc_items, max_nsplit);
     }
     KDTREE_TIMELINE(1, 2);
     return;
@@ -343,11 +347,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
     }
     __syncthreads();
   }
-  if (tid == 0) {
-    prm.counter[0] = 0;
-    prm.counter[1] = s_carry_items;
-    prm.counter[2] = combine_slices(s_max_nsplit);   // the combine's loop bound
-  }
+  if (tid == 0) write_plan_totals(prm, s_carry_items, s_max_nsplit);
   KDTREE_TIMELINE(1, 2);
 }
 
