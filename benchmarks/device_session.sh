@@ -2,6 +2,7 @@
 # One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
 #   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
 # (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
+# (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, wgmma, pingpong)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
 set -uo pipefail
@@ -43,6 +44,8 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
   KDTREE_SPLIT_STAGES=2 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=mma (mma.sync, 3 stages)"
   KDTREE_SPLIT_KERNEL=mma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_SPLIT_KERNEL=wgmma (sm_90a, one score warpgroup)"
+  KDTREE_SPLIT_KERNEL=wgmma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=pingpong (sm_90a, two symmetric warpgroups)"
   KDTREE_SPLIT_KERNEL=pingpong python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi

@@ -16,6 +16,7 @@ for arch in 90a 120; do
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])EEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages>/; \
               s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
               s/_ZN6kdtree2pp35kdtree_verify_split_pingpong_kernelENS_6ParamsE/kdtree_verify_split_pingpong_kernel/; \
+              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel/; \
               s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
               s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
               s/_ZN6kdtree25kdtree_verify_plan_kernelENS_6ParamsE/kdtree_verify_plan_kernel/"
@@ -24,11 +25,12 @@ done
 cat > "$tmp/sz.cu" <<'CU'
 #include <cstdio>
 #include "verify_pingpong.cuh"
+#include "verify_dual.cuh"
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B (sm_120 limit 101376), 3 stages %zu B, "
-         "wgmma %zu B, pingpong %zu B (sm_90 limit 232448)\n", sizeof(kdtree::SharedStorage<2>),
-         sizeof(kdtree::SharedStorage<3>), kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes);
+         "dual %zu B, wgmma %zu B, pingpong %zu B (sm_90 limit 232448)\n", sizeof(kdtree::SharedStorage<2>),
+         sizeof(kdtree::SharedStorage<3>), kdtree::dual::kSmemBytes, kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes);
 }
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
-echo "On sm_120 only kdtree_verify_split_kernel<2 stages> runs; the two wgmma kernels there are __trap() stubs."
+echo "On sm_120 only kdtree_verify_split_kernel<2 stages> runs; the three wgmma kernels there are __trap() stubs."

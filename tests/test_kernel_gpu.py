@@ -240,8 +240,8 @@ def test_tree_mask_narrower_than_the_drafts_is_never_read_past():
 
 
 def test_the_fastest_split_kernel_is_selected():
-    """sm_90 (built as sm_90a by default) runs the wgmma kernel, everything else mma.sync; the
-    environment overrides select the other code paths (for measuring them on an H100/H200)."""
+    """sm_90 (built as sm_90a by default) runs the dual-score wgmma kernel, everything else mma.sync;
+    the environment overrides select the other code paths (for measuring them on an H100/H200)."""
     from kdtree import _ext
 
     got = _ext.load().split_kernel()
@@ -250,8 +250,10 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "mma.sync-2stage"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "pingpong":
         assert got == "wgmma-pingpong"
+    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "wgmma":
+        assert got == "wgmma"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") != "mma":
-        assert got == "wgmma", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
+        assert got == "wgmma-dual", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
     elif cc == (9, 0):
         assert got == "mma.sync-3stage"
     elif cc[0] == 12:

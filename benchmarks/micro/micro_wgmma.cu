@@ -13,7 +13,7 @@
 
 
 constexpr int kASlab = 64 * 128;   // q: 64 rows x 64 bf16
-template <int NS, int KS, int KPV>
+template <int NS, int KS, int KPV, int BT = 0>
 __global__ void __launch_bounds__(256, 1) bench(long long* out, int iters) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* sm = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -49,8 +49,17 @@ __global__ void __launch_bounds__(256, 1) bench(long long* out, int iters) {
 #pragma unroll
       for (int k = 0; k < KPV; ++k) {
         const uint64_t da = desc_sw128(abase + (k & 3) * 32, 16, 1024);
-        const uint64_t db = desc_sw128(bbase + (k & 7) * 16 * 128, 32768, 1024);   // MN-major-ish walk
-        wgmma_ss_n256(o, da, db);
+        if constexpr (BT == 0) {   // B K-major (as S reads its keys)
+          const uint64_t db = desc_sw128(bbase + (k & 7) * 16 * 128, 32768, 1024);
+          wgmma_ss_n256(o, da, db);
+        } else {   // B MN-major, as the verify kernels read V: 64-column slabs LBO apart, 8-key groups 1 KB apart
+          const uint64_t db = desc_sw128(bbase + (k & 1) * 16 * 128, 4096, 1024);
+          if constexpr (BT == 1) wgmma_ss_n256_bt(o, da, db);
+          if constexpr (BT == 2) {   // two m64n128k16 halves (the dual kernel: 512 threads)
+            wgmma_ss_n128_bt(*reinterpret_cast<float(*)[64]>(&o[0]), da, db);
+            wgmma_ss_n128_bt(*reinterpret_cast<float(*)[64]>(&o[64]), da, db + ((2 * 4096) >> 4));
+          }
+        }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -66,18 +75,18 @@ __global__ void __launch_bounds__(256, 1) bench(long long* out, int iters) {
   if (acc == 12345.f) out[0] = -1;   // keep the products alive
 }
 
-template <int NS, int KS, int KPV>
+template <int NS, int KS, int KPV, int BT = 0>
 void run(const char* what, int wgs, int sms) {
   const int iters = 200;
   long long* d;
   cudaMalloc(&d, sms * 2 * sizeof(long long));
   const int smem = 9 * kASlab + 2 * 256 * 128 + 1024;
-  cudaFuncSetAttribute(bench<NS, KS, KPV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  bench<NS, KS, KPV><<<sms, 128 * wgs, smem>>>(d, 4);   // warm
+  cudaFuncSetAttribute(bench<NS, KS, KPV, BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  bench<NS, KS, KPV, BT><<<sms, 128 * wgs, smem>>>(d, 4);   // warm
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0); cudaEventCreate(&e1);
   cudaEventRecord(e0);
-  bench<NS, KS, KPV><<<sms, 128 * wgs, smem>>>(d, iters);
+  bench<NS, KS, KPV, BT><<<sms, 128 * wgs, smem>>>(d, iters);
   cudaEventRecord(e1);
   cudaError_t err = cudaDeviceSynchronize();
   float ms = 0; cudaEventElapsedTime(&ms, e0, e1);
@@ -102,5 +111,12 @@ int main() {
   run<64, 36, 8>("S n64 x36 + PV n256 x8", 1, sms);
   run<64, 36, 8>("S n64 x36 + PV n256 x8", 2, sms);
   run<32, 36, 4>("S n32 x36 + PV n256 x4", 2, sms);
+  // session 9: P V as the kernels run it, B MN-major (V read from the key tile)
+  run<32, 0, 8, 1>("PV m64n256k16 MN-major x8", 1, sms);
+  run<32, 0, 8, 1>("PV m64n256k16 MN-major x8", 2, sms);
+  run<32, 0, 8, 2>("PV 2 x m64n128k16 MN-major x8", 1, sms);
+  run<32, 0, 8, 2>("PV 2 x m64n128k16 MN-major x8", 2, sms);
+  run<32, 36, 4, 1>("S n32 x36 + PV n256 MN-major x4", 1, sms);
+  run<32, 36, 4, 1>("S n32 x36 + PV n256 MN-major x4", 2, sms);
   return 0;
 }

@@ -114,16 +114,18 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
 
 /* Validate, plan the split on the GPU, run the split-K pass and the combine on `stream`.
  * Returns KDTREE_OK or an error status; nothing is launched when validation fails.
- * The split pass that runs (see kdtree_verify_split_kernel) is the wgmma kernel on compute
+ * The split pass that runs (see kdtree_verify_split_kernel) is the dual-score wgmma kernel on compute
  * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where
  * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Read once per device:
  * KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage (sm_120)
- * pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=pingpong
- * selects the second sm_90a kernel (two symmetric warpgroups, verify_pingpong.cuh). */
+ * pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma
+ * or =pingpong select the other sm_90a kernels (one score warpgroup, verify_wgmma.cuh; two symmetric
+ * warpgroups, verify_pingpong.cuh). */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
-/* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 90 (sm_90a
- * wgmma), 91 (sm_90a wgmma, ping-pong warpgroups), 3 or 2 (mma.sync with that many key stages).
+/* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 92 (sm_90a
+ * wgmma, two score warpgroups), 90 (sm_90a wgmma, one score warpgroup), 91 (sm_90a wgmma, ping-pong
+ * warpgroups), 3 or 2 (mma.sync with that many key stages).
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 

@@ -11,6 +11,7 @@
 #include "kdtree_verify.h"
 #include "verify_kernel.cuh"
 #include "verify_pingpong.cuh"
+#include "verify_dual.cuh"
 
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
@@ -56,14 +57,16 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 }
 
 // Per device, once (benign race: idempotent values): SM count and the split kernel that runs there:
-// the wgmma kernel on compute capability 9.0 when the build carries sm_90a code, else the mma.sync
-// kernel with 3 stages where a block may take that much shared memory, 2 otherwise (sm_120).
-// KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the mma.sync kernel with
-// its sm_120 depth: to measure and test those code paths on an H100/H200; KDTREE_SPLIT_KERNEL=pingpong
-// selects the second sm_90a kernel (verify_pingpong.cuh).
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91 };
+// the dual-score wgmma kernel (verify_dual.cuh) on compute capability 9.0 when the build carries sm_90a
+// code, else the mma.sync kernel with 3 stages where a block may take that much shared memory, 2
+// otherwise (sm_120). KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the
+// mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200;
+// KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
+// warpgroup, the default up to session 8; verify_pingpong.cuh).
+
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92 };
 // the wgmma kernels' work items (64-row tiles, 32-key tiles)
-bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong; }
+bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong || kernel == kDual; }
 
 // A split kernel with its block size and dynamic shared memory: what both the one-time configuration
 // and every launch need.
@@ -77,6 +80,8 @@ SplitLaunch split_launch(int kernel) {
     return {kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes};
   if (kernel == kPingPong)
     return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes};
+  if (kernel == kDual)
+    return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes};
   if (kernel == kMma2)
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>)};
   return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
@@ -113,10 +118,15 @@ DeviceInfo device_info(int dev, int* status) {
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kMma3 : kMma2;
 #ifdef KDTREE_HAVE_SM90A
-    if (major == 9 && minor == 0 && (size_t)optin >= kdtree::wg::kSmemBytes) kernel = kWgmma;
+    if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes &&
+        (size_t)optin >= kdtree::wg::kSmemBytes && (size_t)optin >= kdtree::pp::kSmemBytes)
+      kernel = kDual;
 #endif
-    if (env_is("KDTREE_SPLIT_KERNEL", "mma") && kernel == kWgmma) kernel = kMma3;
-    if (env_is("KDTREE_SPLIT_KERNEL", "pingpong") && kernel == kWgmma) kernel = kPingPong;
+    if (kernel == kDual) {
+      if (env_is("KDTREE_SPLIT_KERNEL", "mma")) kernel = kMma3;
+      if (env_is("KDTREE_SPLIT_KERNEL", "wgmma")) kernel = kWgmma;
+      if (env_is("KDTREE_SPLIT_KERNEL", "pingpong")) kernel = kPingPong;
+    }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
     // cap would otherwise fail at every launch with a bare "too many resources")

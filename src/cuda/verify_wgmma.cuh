@@ -150,6 +150,16 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64 x 128] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 128] (shared memory, MN-major), fp32 accumulate:
+// half of the P V product above, for kernels of four warpgroups (512 threads cap ptxas at 128 registers per
+// instruction, and m64n256k16 needs 154; after setmaxnreg the two halves' 128 accumulators fit, verify_dual.cuh).
+__device__ __forceinline__ void wgmma_m64n128k16_ss_bt(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+}
+
 // q of a work item into shared memory by asynchronous copies (all in flight at once): 64 rows x 72
 // chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs), zeros for padding rows, thread
 // `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
@@ -198,7 +208,9 @@ __device__ __forceinline__ long long tile_key_slot(const Params& prm, const Item
 // Value thread vt gathers chunk vt % 8 of each slab of key vt / 8 of tile t into buffer b, then
 // arrives on the tile's mbarrier once they have landed. Past the last tile nothing is issued and
 // nobody arrives.
-__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
+// (Any shared-memory struct with the key ring `kv` and its mbarriers `full`: the dual kernel's too.)
+template <class SmemT>
+__device__ __forceinline__ void gather_tile(SmemT& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
                                             long long slot) {
   if (t >= cx.ntiles) return;
   copy_key_chunks(smem_u32(&sm.kv[b][0]), prm, cx, t, vt / kThreadsPerKey, vt % kThreadsPerKey, slot);

@@ -89,13 +89,13 @@ def compiled_archs():
 
 
 def split_kernel():
-    """The split kernel that runs on the current device: ``"wgmma"`` or ``"wgmma-pingpong"`` (sm_90a),
+    """The split kernel that runs on the current device: ``"wgmma-dual"``, ``"wgmma"`` or ``"wgmma-pingpong"`` (sm_90a),
     ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
     cdef int status = kdtree_verify_split_kernel(&kernel)
     if status != 0:
         raise KdtreeError(status, "split_kernel")
-    return {90: "wgmma", 91: "wgmma-pingpong", 3: "mma.sync-3stage", 2: "mma.sync-2stage"}.get(kernel, str(kernel))
+    return {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 3: "mma.sync-3stage", 2: "mma.sync-2stage"}.get(kernel, str(kernel))
 
 
 class KdtreeError(RuntimeError):

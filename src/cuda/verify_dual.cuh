@@ -1,0 +1,359 @@
+// verify_dual.cuh: the sm_90a split pass with two score warpgroups ("dual"): the same work items (64-row
+// tiles, 32-key tiles), plan, partials and combine as the wgmma kernel in verify_wgmma.cuh.
+//
+// Why (docs/PERF_LOG.md, session 9): in the wgmma kernel one score warpgroup issues the 36 wgmma of every
+// tile's S and runs every tile's softmax. Issuing a wgmma blocks while the tensor pipe is busy (with the
+// value warpgroups' P V), so the softmax waits behind the issue: a tile takes ~2,650 clocks at P131072
+// against ~1,500 of tensor and shared-memory work. Here two score warpgroups own alternate tiles, so one
+// runs its softmax while the other's S is on the tensor cores:
+// - 4 warpgroups, 512 threads. A 512-thread kernel caps ptxas at 128 registers for any one instruction,
+//   so P V runs as two wgmma m64n128k16 per k-step (m64n256k16 needs 154); setmaxnreg then gives the
+//   score warpgroups 88 registers and the value warpgroups 168.
+// - Score warpgroup s (s = 0, 1) owns tiles t = s, s + 2, ...: S_t = Q K_t^T (36 wgmma m64n32k16, both
+//   operands in shared memory), the tile's row maxima, then the running maxima: it waits for m_{t-1}
+//   (published by the other score warpgroup on m_full as soon as that tile's maxima were known, before
+//   its P), publishes m_t the same way, and computes P_t and alpha_t into its own P buffer (p[s],
+//   64-byte swizzle) for the value warpgroups (p_full[s] release / acquire, named barrier kBarPFull + s
+//   for the wake-up; p_empty[s] gives the buffer back). Each keeps the row sums of its own tiles,
+//   relative to its own latest max; score warpgroup 1 hands its sums to warpgroup 0 at the end of the
+//   item (l_full), which merges them.
+// - Value warpgroups v = 0, 1 (columns [256 v, 256 v + 256) of all 64 rows, 128 fp32 per thread): for
+//   every tile in order, O = alpha_t O + P_t V_t; they gather the keys as in the wgmma kernel (4 stages),
+//   but refill a buffer while the next tile's P V runs (after P V, the gather took ~600 of their clocks
+//   per tile in the wgmma kernel's trace, session 9): tiles up to t + 3 are in the ring during P V (t).
+#pragma once
+
+#include "verify_wgmma.cuh"
+
+namespace kdtree {
+namespace dual {
+
+using wg::SmemDesc;
+using wg::kBlockM;
+using wg::kTileN;
+using wg::kSlabs;
+using wg::kSlabBytes;
+using wg::kTileBytes;
+using wg::kQSlabBytes;
+using wg::kKSteps;
+using wg::kPvSteps;
+using wg::kValueThreads;
+
+constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
+constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups
+constexpr int kScoreRegs = 88;                 // setmaxnreg: 2 x 88 + 2 x 168 = 512 = 4 x 128 (the launch's)
+constexpr int kValueRegs = 168;
+static_assert(2 * kScoreRegs + 2 * kValueRegs <= 4 * 128 && kScoreRegs % 8 == 0 && kValueRegs % 8 == 0,
+              "register pool");
+constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
+constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
+constexpr int kQFirst = wg::kQFirst;
+// Experiment switch (session 9): the value warpgroups refill the previous tile's buffer while P V runs (0) or
+// before they issue P V (1)
+#ifndef KDTREE_DUAL_REFILL_FIRST
+#define KDTREE_DUAL_REFILL_FIRST 0
+#endif
+constexpr bool kRefillFirst = KDTREE_DUAL_REFILL_FIRST;
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarBlock = 1;    // score warpgroup 0 and the value warpgroups: row sums of the item stored
+constexpr int kBarPFull = 2;    // + s: score warpgroup s arrives, the value warpgroups wait (wake-up)
+constexpr int kBarValues = 4;   // the two value warpgroups: the key tile consumed, may refill
+constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
+
+struct Smem {
+  unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
+  unsigned char kv[kStages][kTileBytes];   // 147,456
+  unsigned char p[2][kPBytes];             // P of score warpgroup s's latest tile
+  float alpha[2][kBlockM];                 // its rescale factors
+  float m[2][kBlockM];                     // the running row maxima after its latest tile
+  float xl[kBlockM], xmu[kBlockM];         // score warpgroup 1's row sums at the end of an item, their max
+  float row_l[kBlockM];                    // the item's row sums, for the value warpgroups
+  unsigned long long full[kStages];   // tile landed: 256 arrivals, one per value thread's copies
+  unsigned long long p_full[2];       // P / alpha of score warpgroup s published: 128 arrivals (release)
+  unsigned long long p_empty[2];      // consumed: 256 value-thread arrivals (release)
+  unsigned long long m_full[2];       // m of score warpgroup s's latest tile published: 128 arrivals
+  unsigned long long q_full;          // q of the item landed: 256 score-thread arrivals (KDTREE_WG_Q_FIRST)
+  unsigned long long l_full;          // score warpgroup 1's row sums stored: 128 arrivals
+  int item;
+};
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
+static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
+static_assert(kStages % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
+
+// Shared-memory descriptor of a K-major operand in the 64-byte swizzle (8 rows x 64 B atoms, SBO 512).
+__device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
+  const uint32_t lo = ((saddr & 0x3FFFF) >> 4) | (1u << 16);   // LBO unused for swizzled K-major: 1
+  const uint32_t hi = (512u >> 4) | (2u << 30);                // SBO 512 B, layout type 2 (64-byte swizzle)
+  return ((uint64_t)hi << 32) | lo;
+}
+
+#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps of block 0 (shared memory has no room for them)
+__device__ unsigned g_trace[32][8];
+#define KDTREE_DTRACE(e) \
+  do { if (blockIdx.x == 0 && lane == 0 && t < 32) g_trace[t][e] = (unsigned)(clock64() - t_item); } while (0)
+#else
+#define KDTREE_DTRACE(e) do { } while (0)
+#endif
+
+__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // the plan kernel's counter and plan
+  const int total = prm.counter[1];
+  const int H = prm.heads;
+
+  if (tid == 0) {
+    for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&sm.p_full[i], 128);
+      mbar_init(&sm.p_empty[i], kValueThreads);
+      mbar_init(&sm.m_full[i], 128);
+    }
+    mbar_init(&sm.q_full, 256);
+    mbar_init(&sm.l_full, 128);
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (warp < 8) {
+    // =========================== score warpgroups ===========================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kScoreRegs));
+    const int s = warp >> 2;   // owns tiles t % 2 == s
+    uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u, lf_parity = 0u;
+    const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
+    for (;;) {
+      if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
+      __syncthreads();
+      const int item = sm.item;
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const int nt = cx.ntiles;
+#ifdef KDTREE_EXP_TRACE
+      const long long t_item = clock64();   // just after the item's __syncthreads, as the value side's
+#endif
+
+      // q of the item over the 256 score threads, all copies in flight at once
+      wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
+      cp_async_wait_all();   // this thread's q copies (the score warpgroups issue no other cp.async)
+      fence_proxy_async();   // read next by wgmma (the async proxy)
+      mbar_arrive(&sm.q_full);   // the value warpgroups may ask for the rest of the ring
+      bar_sync(kBarScore, 256);
+
+      float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
+      float l_own[2] = {0.f, 0.f};
+      float sc[16];
+      for (int t = s; t < nt; t += 2) {
+        const int b = t % kStages;
+        if ((warp & 3) == 0) KDTREE_DTRACE(0);
+        mbar_wait_buffer(sm.full, full_bits, b);   // every value thread's copies landed
+        fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
+        {
+          const SmemDesc kd(smem_u32(&sm.kv[b][0]), 16, 1024);
+          wg::wg_fence();
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks)
+            wg::wgmma_m64n32k16_ss(sc, qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32),
+                                   kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32), ks > 0);
+          wg::wg_commit();
+          wg::wg_wait0();
+        }
+        if ((warp & 3) == 0) KDTREE_DTRACE(1);
+        float tmax[2];
+        scale_mask_max(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
+        // the running maxima: m_{t-1} from the other score warpgroup, m_t published at once (before P)
+        float m_prev[2] = {-INFINITY, -INFINITY};
+        if (t > 0) {
+          mbar_wait(&sm.m_full[1 - s], mf_parity);
+          mf_parity ^= 1u;
+          m_prev[0] = sm.m[1 - s][wrow + g];
+          m_prev[1] = sm.m[1 - s][wrow + g + 8];
+        }
+        if ((warp & 3) == 0) KDTREE_DTRACE(2);
+        float m_run[2] = {m_prev[0], m_prev[1]};
+        float m_use[2], alpha[2];
+        softmax_advance(tmax, m_run, m_use, alpha);   // m_run: m_t; alpha rescales O (relative to m_{t-1})
+        if (t + 1 < nt) {   // the other warpgroup's next tile reads it (which orders this store after its read of the last)
+          if (c == 0) {
+            sm.m[s][wrow + g] = m_run[0];
+            sm.m[s][wrow + g + 8] = m_run[1];
+          }
+          mbar_arrive(&sm.m_full[s]);
+        }
+        // this warpgroup's sums move from its previous tile's reference to this one's
+        float lfac[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          lfac[half] = fast_exp2(mu[half] - m_use[half]);
+          mu[half] = m_use[half];
+        }
+        if (t >= 2) {   // the value warpgroups are done with this warpgroup's previous P
+          mbar_wait(&sm.p_empty[s], pe_parity);
+          pe_parity ^= 1u;
+        }
+        softmax_p_pairs(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
+          const int row = wrow + g + half * 8;
+          *reinterpret_cast<uint32_t*>(&sm.p[s][row * kPRowBytes + ((j ^ ((row >> 1) & 3)) << 4) + 4 * c]) = pair;
+        });
+        if (c == 0) {
+          sm.alpha[s][wrow + g] = alpha[0];
+          sm.alpha[s][wrow + g + 8] = alpha[1];
+        }
+        fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha by plain loads
+        mbar_arrive(&sm.p_full[s]);
+        bar_arrive(kBarPFull + s, 128 + kValueThreads);
+        if ((warp & 3) == 0) KDTREE_DTRACE(3);
+      }
+
+      // end of the item: warpgroup 1's sums (relative to its latest m_use) go to warpgroup 0, which adds
+      // them to its own at the larger reference and stores the rows' sums for the value warpgroups
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        l_own[half] += __shfl_xor_sync(0xffffffffu, l_own[half], 1);
+        l_own[half] += __shfl_xor_sync(0xffffffffu, l_own[half], 2);
+      }
+      if (s == 1) {
+        if (c == 0) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            sm.xl[wrow + g + half * 8] = l_own[half];
+            sm.xmu[wrow + g + half * 8] = mu[half];
+          }
+        }
+        mbar_arrive(&sm.l_full);
+      } else {
+        mbar_wait(&sm.l_full, lf_parity);
+        lf_parity ^= 1u;
+        float m_fin[2], l_fin[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wrow + g + half * 8;
+          const float xmu = sm.xmu[r], xl = sm.xl[r];
+          m_fin[half] = fmaxf(mu[half], xmu);   // mu[half] is finite: warpgroup 0 owns tile 0
+          l_fin[half] = l_own[half] * fast_exp2(mu[half] - m_fin[half]) + xl * fast_exp2(xmu - m_fin[half]);
+          if (c == 0) sm.row_l[r] = l_fin[half];
+        }
+        bar_sync(kBarBlock, 128 + kValueThreads);
+        if (cx.rp.nsplit > 1 && c == 0) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = wrow + g + half * 8;
+            if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_fin[half], l_fin[half]);
+          }
+        }
+      }
+      __syncthreads();   // the item's shared memory is consumed before the next item starts
+#ifdef KDTREE_EXP_TRACE
+      if (tid == 0 && blockIdx.x == 0) {
+        __threadfence_block();
+        printf("TRACE block 0 item %d tiles %d total %lld\n", item, nt, clock64() - t_item);
+        for (int t = 0; t < min(nt, 32); ++t)
+          printf("TRACE block 0 item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u\n", item, t, g_trace[t][0],
+                 g_trace[t][1], g_trace[t][2], g_trace[t][3], g_trace[t][4], g_trace[t][5], g_trace[t][6],
+                 g_trace[t][7]);
+      }
+      __syncthreads();
+#endif
+    }
+  } else {
+    // =========================== value warpgroups ===========================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kValueRegs));
+    const int vt = tid - 256;   // 0..255
+    const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
+    uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
+    for (;;) {
+      __syncthreads();   // pairs with the score warpgroups' item fetch
+      const int item = sm.item;
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+#ifdef KDTREE_EXP_TRACE
+      const long long t_item = clock64();
+#endif
+
+      // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
+      long long slots[kStages + 1];
+#pragma unroll
+      for (int t = 0; t <= kStages; ++t) slots[t] = wg::gather_slot(prm, cx, t, vt);
+#pragma unroll
+      for (int t = 0; t < kStages; ++t) {
+        if (t == kQFirst) {   // the rest of the ring once q has landed
+          mbar_wait(&sm.q_full, q_parity);
+          q_parity ^= 1u;
+        }
+        wg::gather_tile(sm, prm, cx, t, t, vt, slots[t]);
+      }
+      long long slot = slots[kStages];
+
+      float o[128];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) o[i] = 0.f;
+      // the buffer of the previous tile (both value warpgroups were done with it at the barrier that ended
+      // that tile) takes tile t - 1 + kStages
+      auto refill = [&](int t) {
+        const long long next = wg::gather_slot(prm, cx, t + kStages, vt);
+        wg::gather_tile(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
+        slot = next;
+      };
+
+      for (int t = 0; t < cx.ntiles; ++t) {
+        const int b = t % kStages;
+        const int s = t & 1;
+        if (warp == 8) KDTREE_DTRACE(4);
+        bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of tile t: wake up ...
+        mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
+        pf_bits ^= 1u << s;
+        mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
+        if (warp == 8) KDTREE_DTRACE(5);
+        if (kRefillFirst && t > 0) refill(t);
+        fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
+        wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
+        {
+          const uint64_t pd = desc_sw64(smem_u32(&sm.p[s][0]));
+          const SmemDesc vd(smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes, kSlabBytes, 1024);
+          wg::wg_fence();
+#pragma unroll
+          for (int kk = 0; kk < kPvSteps; ++kk) {
+            const uint64_t da = pd + ((kk * 32) >> 4);
+            wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
+            wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kSlabBytes + kk * 16 * 128));
+          }
+          wg::wg_commit();
+          if (!kRefillFirst && t > 0) refill(t);   // while P V runs
+          if (warp == 8) KDTREE_DTRACE(6);
+          wg::wg_wait0();
+        }
+        if (t + 2 < cx.ntiles) mbar_arrive(&sm.p_empty[s]);   // release: its score warpgroup writes P again
+        bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
+        if (warp == 8) KDTREE_DTRACE(7);
+      }
+      bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wrow + g + half * 8;
+        if (r < cx.rows) {
+          const float l = sm.row_l[r];
+          wg::store_o_row(prm, cx, r, v, o, half, c, l > 0.f ? 1.f / l : 0.f);
+        }
+      }
+      __syncthreads();
+#ifdef KDTREE_EXP_TRACE
+      __syncthreads();   // pairs with the score side's print barrier
+#endif
+    }
+  }
+#else
+  __trap();   // built without sm_90a: the launcher never selects this kernel
+#endif
+}
+
+}  // namespace dual
+}  // namespace kdtree
