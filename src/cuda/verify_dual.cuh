@@ -75,7 +75,8 @@ struct Smem {
   unsigned long long m_full[2];       // m of score warpgroup s's latest tile published: 128 arrivals
   unsigned long long q_full;          // q of the item landed: 256 score-thread arrivals (KDTREE_WG_Q_FIRST)
   unsigned long long l_full;          // score warpgroup 1's row sums stored: 128 arrivals
-  int item;
+  unsigned long long item_full;       // the block's next work item stored: 1 arrival (release)
+  int item[2];   // the block's k-th work item in item[k % 2]
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -121,6 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     }
     mbar_init(&sm.q_full, 256);
     mbar_init(&sm.l_full, 128);
+    mbar_init(&sm.item_full, 1);
     fence_proxy_async();
   }
   __syncthreads();
@@ -131,15 +133,21 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u, lf_parity = 0u;
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
-    for (;;) {
-      if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
-      __syncthreads();
-      const int item = sm.item;
+    for (int k = 0;; ++k) {
+      // the item index goes out on an mbarrier (release / acquire): with __syncthreads between the store
+      // and the loads, racecheck reported the pair as a race (session 9, as for the pingpong kernel's row
+      // sums, history 53); the __syncthreads that ends an item orders the slot's reuse two items later
+      if (tid == 0) {
+        sm.item[k & 1] = atomicAdd(prm.counter, 1);
+        mbar_arrive(&sm.item_full);
+      }
+      mbar_wait(&sm.item_full, k & 1);
+      const int item = sm.item[k & 1];
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
 #ifdef KDTREE_EXP_TRACE
-      const long long t_item = clock64();   // just after the item's __syncthreads, as the value side's
+      const long long t_item = clock64();   // just after the item fetch, as the value side's
 #endif
 
       // q of the item over the 256 score threads, all copies in flight at once
@@ -270,9 +278,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
-    for (;;) {
-      __syncthreads();   // pairs with the score warpgroups' item fetch
-      const int item = sm.item;
+    for (int k = 0;; ++k) {
+      mbar_wait(&sm.item_full, k & 1);   // the score side's item fetch (acquire)
+      const int item = sm.item[k & 1];
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 #ifdef KDTREE_EXP_TRACE
