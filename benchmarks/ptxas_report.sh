@@ -34,3 +34,5 @@ int main() {
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
 echo "On sm_120 only kdtree_verify_split_kernel<2 stages> runs; the three wgmma kernels there are __trap() stubs."
+echo "kdtree_verify_split_dual_kernel's 128 registers are its launch allocation (512 threads); setmaxnreg then gives"
+echo "its score warpgroups 88 and its value warpgroups 168 (verify_dual.cuh; ptxas checks each region: no spills)."
