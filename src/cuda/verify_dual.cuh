@@ -21,6 +21,9 @@
 //   every tile in order, O = alpha_t O + P_t V_t; they gather the keys as in the wgmma kernel (4 stages),
 //   but refill a buffer while the next tile's P V runs (after P V, the gather took ~600 of their clocks
 //   per tile in the wgmma kernel's trace, session 9): tiles up to t + 3 are in the ring during P V (t).
+// Measured (H200, history 73-79): 4-6% faster than the wgmma kernel on every shape of the benchmark; the
+// score warpgroups now spend most of their time waiting for their tiles to land (delivery binds: 463 MB
+// into the SMs at 3.7 TB/s at H16 N9 P131072), and shared memory has no room for a fifth key stage.
 #pragma once
 
 #include "verify_wgmma.cuh"
@@ -29,6 +32,7 @@ namespace kdtree {
 namespace dual {
 
 using wg::SmemDesc;
+using wg::desc_sw64;
 using wg::kBlockM;
 using wg::kTileN;
 using wg::kSlabs;
@@ -83,13 +87,6 @@ static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of share
 static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
 static_assert(kStages % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
 
-// Shared-memory descriptor of a K-major operand in the 64-byte swizzle (8 rows x 64 B atoms, SBO 512).
-__device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
-  const uint32_t lo = ((saddr & 0x3FFFF) >> 4) | (1u << 16);   // LBO unused for swizzled K-major: 1
-  const uint32_t hi = (512u >> 4) | (2u << 30);                // SBO 512 B, layout type 2 (64-byte swizzle)
-  return ((uint64_t)hi << 32) | lo;
-}
-
 #ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps of block 0 (shared memory has no room for them)
 __device__ unsigned g_trace[32][8];
 #define KDTREE_DTRACE(e) \
@@ -101,7 +98,7 @@ __device__ unsigned g_trace[32][8];
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+  Smem& sm = wg::smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;

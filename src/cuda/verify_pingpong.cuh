@@ -28,6 +28,7 @@ namespace kdtree {
 namespace pp {
 
 using wg::SmemDesc;
+using wg::desc_sw64;
 using wg::kBlockM;
 using wg::kTileN;
 using wg::kSlabs;
@@ -64,13 +65,6 @@ static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of share
 static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
 static_assert(kChunksPerKey * kTileN == 18 * kGatherThreads, "a gather thread copies 18 chunks per tile");
 
-// Shared-memory descriptor of a K-major operand in the 64-byte swizzle (8 rows x 64 B atoms, SBO 512).
-__device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
-  const uint32_t lo = ((saddr & 0x3FFFF) >> 4) | (1u << 16);   // LBO unused for swizzled K-major: 1
-  const uint32_t hi = (512u >> 4) | (2u << 30);                // SBO 512 B, layout type 2 (64-byte swizzle)
-  return ((uint64_t)hi << 32) | lo;
-}
-
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // D[64 x 256] (+)= A[64 x 16] (registers) * B[16 x 256] (shared memory, MN-major), fp32 accumulate.
@@ -102,7 +96,7 @@ __device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& c
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+  Smem& sm = wg::smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
   const int w = tid >> 7;               // warpgroup: owns tiles t % 2 == w and value columns [256 w, 256 w + 256)
   const int gt = tid & 127;             // thread within the warpgroup

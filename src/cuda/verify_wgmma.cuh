@@ -128,6 +128,21 @@ struct SmemDesc {
   }
 };
 
+// Shared-memory descriptor of a K-major operand in the 64-byte swizzle (8 rows x 64 B atoms, SBO 512): P of the
+// pingpong and dual kernels (32 keys per row).
+__device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
+  const uint32_t lo = ((saddr & 0x3FFFF) >> 4) | (1u << 16);   // LBO unused for swizzled K-major: 1
+  const uint32_t hi = (512u >> 4) | (2u << 30);                // SBO 512 B, layout type 2 (64-byte swizzle)
+  return ((uint64_t)hi << 32) | lo;
+}
+
+// The kernel's shared-memory struct at the first 1 KB boundary of the dynamic shared memory (the swizzle
+// atoms need a 1 KB aligned base; an offset within the shared window, so the address space is kept).
+template <class SmemT>
+__device__ __forceinline__ SmemT& smem_1k(unsigned char* raw) {
+  return *reinterpret_cast<SmemT*>(raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u));
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -254,8 +269,7 @@ __device__ __forceinline__ void store_o_row(const Params& prm, const ItemCtx& cx
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // the swizzle atoms need a 1 KB aligned base (offset within the shared window, address space kept)
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+  Smem& sm = smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
