@@ -63,7 +63,6 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200;
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh).
-
 enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92 };
 // the wgmma kernels' work items (64-row tiles, 32-key tiles)
 bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong || kernel == kDual; }
