@@ -176,15 +176,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         float tmax[2];
         scale_mask_max(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
         // the running maxima: m_{t-1} from the other score warpgroup, m_t published at once (before P)
-        float m_prev[2] = {-INFINITY, -INFINITY};
+        float m_run[2] = {-INFINITY, -INFINITY};
         if (t > 0) {
           mbar_wait(&sm.m_full[1 - s], mf_parity);
           mf_parity ^= 1u;
-          m_prev[0] = sm.m[1 - s][wrow + g];
-          m_prev[1] = sm.m[1 - s][wrow + g + 8];
+          m_run[0] = sm.m[1 - s][wrow + g];
+          m_run[1] = sm.m[1 - s][wrow + g + 8];
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(2);
-        float m_run[2] = {m_prev[0], m_prev[1]};
         float m_use[2], alpha[2];
         softmax_advance(tmax, m_run, m_use, alpha);   // m_run: m_t; alpha rescales O (relative to m_{t-1})
         if (t + 1 < nt) {   // the other warpgroup's next tile reads it (which orders this store after its read of the last)
@@ -341,14 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wrow + g + half * 8;
-        if (r < cx.rows) {
-          const float l = sm.row_l[r];
-          wg::store_o_row(prm, cx, r, v, o, half, c, l > 0.f ? 1.f / l : 0.f);
-        }
-      }
+      wg::store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
       __syncthreads();
 #ifdef KDTREE_EXP_TRACE
       __syncthreads();   // pairs with the score side's print barrier

@@ -259,6 +259,20 @@ __device__ __forceinline__ void store_o_row(const Params& prm, const ItemCtx& cx
     *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * c) = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
 }
 
+// End of an item, value side: the thread's two rows of O (value columns [256 v, 256 v + 256)) divided by the
+// rows' sums row_l (stored by the score side), into their result rows.
+__device__ __forceinline__ void store_o_rows(const Params& prm, const ItemCtx& cx, int wrow, int g, int c, int v,
+                                             const float (&o)[128], const float* row_l) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wrow + g + half * 8;
+    if (r < cx.rows) {
+      const float l = row_l[r];
+      store_o_row(prm, cx, r, v, o, half, c, l > 0.f ? 1.f / l : 0.f);
+    }
+  }
+}
+
 #ifdef KDTREE_EXP_TRACE
 #define KDTREE_WTRACE(e) \
   do { if (lane == 0 && it < 32) sm.trace[it][e] = (unsigned)(clock64() - t_item); } while (0)
@@ -495,14 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       }
       // every copy of the item has landed: the score WG waited on all of its tiles
       bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wrow + g + half * 8;
-        if (r < cx.rows) {
-          const float l = sm.row_l[r];
-          store_o_row(prm, cx, r, v, o, half, c, l > 0.f ? 1.f / l : 0.f);
-        }
-      }
+      store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
       __syncthreads();
 #ifdef KDTREE_EXP_TRACE
       __syncthreads();   // pairs with the score WG's print barrier
