@@ -406,6 +406,20 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, uint32_t phas
       "r"(phase)
       : "memory");
 }
+// Whether the phase with parity `phase` of the mbarrier has completed (does not wait).
+__device__ __forceinline__ bool mbar_test(unsigned long long* bar, uint32_t phase) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(phase)
+      : "memory");
+  return done != 0;
+}
 // Waits for the next phase of buffer b's mbarrier (bit b of `bits`: the parity it waits for) and
 // advances that bit: the ring of key buffers, one mbarrier each, waited once per tile.
 __device__ __forceinline__ void mbar_wait_buffer(unsigned long long* bars, uint32_t& bits, int b) {
@@ -465,6 +479,12 @@ __device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
   cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
   cx.ntiles = (cx.k1 - cx.k0 + TileN - 1) / TileN;
   return cx;
+}
+
+// The block's k-th work item: block i starts with item i (no atomic on the way to the first tile, session 10),
+// later ones come from the plan's counter (reset to 0 by the plan kernel), after the grid's first items.
+__device__ __forceinline__ int claim_item(const Params& prm, int k) {
+  return k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(prm.counter, 1);
 }
 
 // Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
@@ -678,11 +698,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
   }
   __syncthreads();
 
-  for (;;) {
+  for (int k = 0;; ++k) {
 #ifdef KDTREE_EXP_TRACE
     const long long t_fetch = clock64();
 #endif
-    if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
+    if (tid == 0) sm.item = claim_item(prm, k);
     __syncthreads();
     const int item = sm.item;
     if (item >= total) return;

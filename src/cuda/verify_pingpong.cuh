@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
   uint32_t pe_parity = 0u;            // p_empty[w]: own P consumed
   uint32_t lf_parity = 0u;            // l_full[1 - w]: once per item
   const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
-  for (;;) {
-    if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
+  for (int k = 0;; ++k) {
+    if (tid == 0) sm.item = claim_item(prm, k);
     __syncthreads();
     const int item = sm.item;
     if (item >= total) return;

@@ -309,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     // =========================== score warpgroup ===========================
     const int wrow = warp * 16;   // rows of this warp within the tile
     uint32_t phase_bits = 0u, p_parity = 0u;
-    for (;;) {
-      if (tid == 0) sm.item = atomicAdd(prm.counter, 1);
+    for (int k = 0;; ++k) {
+      if (tid == 0) sm.item = claim_item(prm, k);
       __syncthreads();
       const int item = sm.item;
       if (item >= total) {
