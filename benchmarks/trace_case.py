@@ -2,6 +2,7 @@
 
     KDTREE_EXPERIMENTS=TRACE ... (benchmarks/experiments.sh builds it), then
     python benchmarks/trace_case.py 131072 9     # prefix, N (H=16)
+    python benchmarks/trace_case.py B8 9         # the benchmark's ragged batch (8 requests, 4k..64k)
 Blocks 0 and 1 print, for each work item, one line per 32-key tile: SM clocks since the item's
 prologue ended when score warp 0 saw the keys land / passed P-empty / had S / published P, and when
 value warp 0 passed P-full / had P V / passed the value barrier / had issued the refill.
@@ -13,9 +14,10 @@ import torch
 import kdtree
 from kdtree.synthetic import make_verify_batch
 
-p = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
+RAGGED = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]   # bench.py's "B8 ragged 4k..64k"
+p = sys.argv[1] if len(sys.argv) > 1 else "131072"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 9
-b = make_verify_batch([p], 16, n, kind="tree", device="cuda", seed=3, min_pool_slots=262_144, poison=False)
+b = make_verify_batch(RAGGED if p == "B8" else [int(p)], 16, n, kind="tree", device="cuda", seed=3, min_pool_slots=262_144, poison=False)
 args = b.verify_args()
 for i in range(3):
     print(f"=== call {i} P={p} N={n}", flush=True)

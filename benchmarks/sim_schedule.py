@@ -1,0 +1,79 @@
+"""A model of how the split kernel's persistent blocks take work items (no GPU; session 10, PERF_LOG history 83-84).
+
+    python benchmarks/sim_schedule.py [--per-tile-us 1.67] [--start-us 5] [--chained-start-us 1]
+
+Builds the plan of bench.py's B8 ragged batch (H16 N9, 64-row items, 32-key tiles, 132 SMs, the plan kernel's
+split rule) and plays the items through 132 blocks: each item costs a start-up plus its tiles x a per-tile time.
+Prints the makespan for (a) claim-at-end (a block claims its next item when it finishes one, item i first on block
+i), (b) claim-ahead with chained items (a block claims its next item when it starts one, and the next item's start
+costs less) and (c) like (b) with the items numbered longest first.
+"""
+import argparse
+import heapq
+
+RAGGED = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]   # bench.py's "B8 ragged 4k..64k"
+
+
+def request_items(p, n=9, heads=16, block_m=64, tile_n=32, sms=132, min_chunk=256):
+    """Tiles of each work item of one request, as verify_kernel.cuh's request_plan splits it."""
+    length, rows = p + n, n * heads
+    mtiles = (rows + block_m - 1) // block_m
+    nsplit = max(1, min((length + min_chunk - 1) // min_chunk, max(1, sms // mtiles)))
+    chunk = (length + nsplit - 1) // nsplit
+    chunk = max(tile_n, (chunk + tile_n - 1) // tile_n * tile_n)
+    nsplit = (length + chunk - 1) // chunk
+    items = []
+    for s in range(nsplit):
+        k0, k1 = s * chunk, min(length, (s + 1) * chunk)
+        items += [(k1 - k0 + tile_n - 1) // tile_n] * mtiles
+    return items
+
+
+def claim_at_end(items, sms, per_tile, start):
+    events = [(start + items[b] * per_tile, b) for b in range(min(sms, len(items)))]
+    heapq.heapify(events)
+    nxt, end = sms, 0.0
+    while events:
+        t, b = heapq.heappop(events)
+        end = max(end, t)
+        if nxt < len(items):
+            heapq.heappush(events, (t + start + items[nxt] * per_tile, b))
+            nxt += 1
+    return end
+
+
+def claim_ahead(items, sms, per_tile, start_first, start_chained):
+    events, held, nxt, end = [], {}, min(sms, len(items)), 0.0
+    for b in range(min(sms, len(items))):
+        heapq.heappush(events, (start_first + items[b] * per_tile, b))
+        if nxt < len(items):
+            held[b], nxt = items[nxt], nxt + 1
+    while events:
+        t, b = heapq.heappop(events)
+        end = max(end, t)
+        if b in held:
+            cur = held.pop(b)
+            if nxt < len(items):
+                held[b], nxt = items[nxt], nxt + 1
+            heapq.heappush(events, (t + start_chained + cur * per_tile, b))
+    return end
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--per-tile-us", type=float, default=1.67)   # B8's rate (ncu, session 10)
+    ap.add_argument("--start-us", type=float, default=5.0)       # an item's start (trace, session 10)
+    ap.add_argument("--chained-start-us", type=float, default=1.0)
+    ap.add_argument("--sms", type=int, default=132)
+    a = ap.parse_args()
+    by_request = [request_items(p, sms=a.sms) for p in RAGGED]
+    items = [t for r in by_request for t in r]
+    longest_first = [t for r in sorted(by_request, key=lambda r: -max(r)) for t in r]
+    print(f"B8 ragged: {len(items)} items, {sum(items)} tiles, {a.sms} blocks")
+    print(f"claim at end            {claim_at_end(items, a.sms, a.per_tile_us, a.start_us):7.1f} us")
+    print(f"claim ahead, chained    {claim_ahead(items, a.sms, a.per_tile_us, a.start_us, a.chained_start_us):7.1f} us")
+    print(f"  + longest first       {claim_ahead(longest_first, a.sms, a.per_tile_us, a.start_us, a.chained_start_us):7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
