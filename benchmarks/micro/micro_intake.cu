@@ -1,0 +1,127 @@
+// Microbenchmark: do the products running beside the key gather slow the gather down? (session 10)
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a micro_intake.cu -o /tmp/micro_intake
+// The dual split kernel takes keys into the SMs at ~3.7 TB/s at H16 N9 P131072 with S and P V running, and at ~5
+// TB/s with both knocked out (docs/PERF_LOG.md, sessions 6 and 10); issuing the copies earlier does not help. This
+// measures the gather alone against the gather with one warpgroup keeping the tensor cores and shared memory busy,
+// to tell whether the shared-memory reads of the products (S as m64n32k16 reads q, 2 KB per 64 KFLOP) are what the
+// gather loses to, and whether S as m64n64k16 (half the q bytes per FLOP) would leave it more.
+// 1 CTA per SM, 384 threads. WG1 and WG2 gather `tiles` 32-key tiles of random 1152-byte rows into a 4-stage ring
+// (9 cp.async of 16 B per thread per tile, as the kernel, at most 4 tiles in flight per thread); keys repeat across
+// `reuse` consecutive CTAs (3: the three 64-row items of a split at H16 N9 read the same keys, 2 of 3 from L2).
+// WG0, until the gather ends: MODE 0 nothing; 1 S chains (36 wgmma m64n32k16, q and the ring from shared memory);
+// 2 the same FLOPs as m64n64k16 (18 per round: half the q bytes); 3 P V (2 x m64n256k16, B MN-major, per round).
+// Reports the keys' rate into the SMs (TB/s over the kernel's event time) and WG0's wgmma rate.
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+#include "micro_common.cuh"
+#include "wgmma_ops.inc"
+
+constexpr int kQ = 9 * 8192, kTile = 9 * 4096, kRing = 4 * kTile, kP = 8192;
+constexpr int kSmem = kQ + kRing + kP + 1024;
+
+template <int MODE>
+__global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, const int* slots, int nslots, int tiles,
+                                                 int reuse, long long* rounds) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char* sm = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
+  const uint32_t qb = smem_u32(sm), kb = qb + kQ, pb = kb + kRing;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  for (int i = threadIdx.x; i < (kQ + kRing + kP) / 4; i += 384) reinterpret_cast<uint32_t*>(sm)[i] = 0x3c003c00u ^ (i & 0xff);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __shared__ int done;
+  if (threadIdx.x == 0) done = 0;
+  __syncthreads();
+  if (wg == 0) {
+    long long r = 0;
+    if (MODE == 1) {
+      float s[16] = {};
+      for (; *(volatile int*)&done == 0; ++r) {
+        const uint32_t kbase = kb + (r & 3) * kTile;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < 36; ++ks)
+          wgmma_ss_n32(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
+                       desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
+        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      }
+      if (s[0] == 1234.f && s[15] == 1234.f) rounds[gridDim.x] = 0;
+    } else if (MODE == 2) {   // N = 64 (64 rows x 128 B per k-step: the access pattern, not the data, matters), 18 k-steps
+      float s[32] = {};
+      for (; *(volatile int*)&done == 0; ++r) {
+        const uint32_t kbase = kb + (r & 1) * 2 * kTile;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < 18; ++ks)
+          wgmma_ss_n64(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
+                       desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
+        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      }
+      if (s[0] == 1234.f && s[31] == 1234.f) rounds[gridDim.x] = 0;
+    } else if (MODE == 3) {
+      float o[128] = {};
+      for (; *(volatile int*)&done == 0; ++r) {
+        const uint32_t vbase = kb + (r & 3) * kTile;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+          wgmma_ss_n256_bt(o, desc_sw128(pb + kk * 32, 16, 1024), desc_sw128(vbase + kk * 2048, 4096, 1024));
+        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      }
+      if (o[0] == 1234.f && o[127] == 1234.f) rounds[gridDim.x] = 0;
+    }
+    if (t == 0) rounds[blockIdx.x] = r;
+    return;
+  }
+  // gather: thread vt takes chunk vt % 8 of every slab of key vt / 8 of each tile (the kernel's split)
+  const int vt = threadIdx.x - 128, key = vt / 8, cc = vt % 8;
+  unsigned seed = (blockIdx.x / reuse) * 977u + key;
+  for (int i = 0; i < tiles; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    const unsigned char* src = pool + (long long)slots[seed % nslots] * 1152 + cc * 16;
+    const uint32_t dst = kb + (i & 3) * kTile + key * 128 + ((cc ^ (key & 7)) << 4);
+#pragma unroll
+    for (int slab = 0; slab < 9; ++slab)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + slab * 4096), "l"(src + slab * 128) : "memory");
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 3;\n" ::: "memory");
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");   // both gather warpgroups done
+  if (vt == 0) *(volatile int*)&done = 1;
+}
+
+template <int MODE>
+void run(const char* what, const unsigned char* pool, const int* slots, int nslots, int sms, int reuse) {
+  const int tiles = 1500;
+  long long* d;
+  cudaMalloc(&d, (sms + 1) * 8);
+  cudaFuncSetAttribute(intake<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const float ms = best_ms([&] { intake<MODE><<<sms, 384, kSmem>>>(pool, slots, nslots, tiles, reuse, d); }, [] {});
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::vector<long long> h(sms);
+  cudaMemcpy(h.data(), d, sms * 8, cudaMemcpyDeviceToHost);
+  std::sort(h.begin(), h.end());
+  const double bytes = (double)sms * tiles * 32 * 1152;
+  // FLOPs per WG0 round: S 36 x 64x32x16x2 (MODE 1, 2: the same), P V 2 x 64x256x16x2
+  const double flop = MODE == 3 ? 2.0 * 64 * 256 * 16 * 2 : 36.0 * 64 * 32 * 16 * 2;
+  printf("%-36s reuse %d | keys into the SMs %6.2f TB/s | WG0 %6.1f TFLOP/s (median SM) | %.3f ms %s\n", what, reuse,
+         bytes / (ms * 1e-3) / 1e12, MODE ? h[sms / 2] * flop * sms / (ms * 1e-3) / 1e12 : 0.0, ms, cudaGetErrorString(e));
+  cudaFree(d);
+}
+
+int main() {
+  int sms;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int nrows = 1 << 21;   // 2.4 GB of keys: the distinct ones come from DRAM
+  unsigned char* pool = filled_pool(nrows, 1152);
+  int* slots = device_slots(shuffled_slots(nrows), nrows);
+  for (int reuse : {1, 3}) {
+    run<0>("gather alone", pool, slots, nrows, sms, reuse);
+    run<1>("+ S m64n32k16 (WG0)", pool, slots, nrows, sms, reuse);
+    run<2>("+ S as m64n64k16 (WG0, half the q bytes)", pool, slots, nrows, sms, reuse);
+    run<3>("+ P V m64n256k16 MN-major (WG0)", pool, slots, nrows, sms, reuse);
+  }
+  return 0;
+}
