@@ -52,14 +52,6 @@ static_assert(2 * kScoreRegs + 2 * kValueRegs <= 4 * 128 && kScoreRegs % 8 == 0 
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 constexpr int kQFirst = wg::kQFirst;
-// Experiment switch (sessions 9-10): where the value warpgroups refill the previous tile's buffer, at tile t:
-// 0 while P V (t) runs; 1 after P (t) was published, before P V (t) is issued; 2 before they wait for P (t);
-// 3 before the wait when P (t) is not yet published (a warp's lane 0 tests), else while P V (t) runs
-#ifndef KDTREE_DUAL_REFILL_FIRST
-#define KDTREE_DUAL_REFILL_FIRST 0
-#endif
-constexpr int kRefillAt = KDTREE_DUAL_REFILL_FIRST;
-static_assert(kRefillAt >= 0 && kRefillAt <= 3, "KDTREE_DUAL_REFILL_FIRST: 0..3");
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarBlock = 1;    // score warpgroup 0 and the value warpgroups: row sums of the item stored
@@ -314,24 +306,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         const int b = t % kStages;
         const int s = t & 1;
         if (warp == 8) KDTREE_DTRACE(4);
-        bool refilled = false;   // this tile's refill issued before P V
-        if (t > 0 && (kRefillAt == 2 || kRefillAt == 3)) {
-          bool early = kRefillAt == 2;
-          if (kRefillAt == 3) {   // P (t) not published yet: the copies go out while the warp waits for it
-            const bool ready = lane == 0 && mbar_test(&sm.p_full[s], (pf_bits >> s) & 1u);
-            early = !__shfl_sync(0xffffffffu, ready, 0);
-          }
-          if (early) {
-            refill(t);
-            refilled = true;
-          }
-        }
         bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of tile t: wake up ...
         mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
         pf_bits ^= 1u << s;
         mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
         if (warp == 8) KDTREE_DTRACE(5);
-        if (kRefillAt == 1 && t > 0) refill(t);
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
         wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {
@@ -345,7 +324,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
             wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kSlabBytes + kk * 16 * 128));
           }
           wg::wg_commit();
-          if ((kRefillAt == 0 || kRefillAt == 3) && t > 0 && !refilled) refill(t);   // while P V runs
+          // while P V runs (earlier, before P V or before the wait for P, is slower: branch
+          // next/dual-refill-placement, history 77 and 80)
+          if (t > 0) refill(t);
           if (warp == 8) KDTREE_DTRACE(6);
           wg::wg_wait0();
         }

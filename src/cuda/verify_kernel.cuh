@@ -406,20 +406,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, uint32_t phas
       "r"(phase)
       : "memory");
 }
-// Whether the phase with parity `phase` of the mbarrier has completed (does not wait).
-__device__ __forceinline__ bool mbar_test(unsigned long long* bar, uint32_t phase) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(phase)
-      : "memory");
-  return done != 0;
-}
 // Waits for the next phase of buffer b's mbarrier (bit b of `bits`: the parity it waits for) and
 // advances that bit: the ring of key buffers, one mbarrier each, waited once per tile.
 __device__ __forceinline__ void mbar_wait_buffer(unsigned long long* bars, uint32_t& bits, int b) {
