@@ -11,20 +11,15 @@
 #include <random>
 #include <algorithm>
 #include <cuda_runtime.h>
-#include "micro_common.cuh"
-#include "wgmma_ops.inc"
-
-constexpr int kQ = 9 * 8192, kTile = 9 * 4096, kRing = 4 * kTile, kP = 8192;
+#include "micro_split.cuh"
 
 template <int MODE>
 __global__ void __launch_bounds__(384, 1) bench(const unsigned char* pool, const int* slots, int nslots, long long* out,
                                                 int iters, volatile int* stop) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char* sm = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
+  unsigned char* sm = split_smem(raw, 384);
   const uint32_t qb = smem_u32(sm), kb = qb + kQ, pb = kb + kRing;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  for (int i = threadIdx.x; i < (kQ + kRing + kP) / 4; i += 384) reinterpret_cast<uint32_t*>(sm)[i] = 0x3c003c00u ^ (i & 0xff);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   __shared__ int done;
   if (threadIdx.x == 0) done = 0;
@@ -34,15 +29,7 @@ __global__ void __launch_bounds__(384, 1) bench(const unsigned char* pool, const
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
     const long long t0 = clock64();
-    for (int r = 0; r < iters; ++r) {
-      const uint32_t kbase = kb + (r & 3) * kTile;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int ks = 0; ks < 36; ++ks)
-        wgmma_ss_n32(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
-                     desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
-      asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    }
+    for (int r = 0; r < iters; ++r) s_round_n32(s, qb, kb + (r & 3) * kTile);
     const long long t1 = clock64();
     if (t == 0) { out[blockIdx.x] = t1 - t0; done = 1; }
     float acc = 0.f;
@@ -57,24 +44,11 @@ __global__ void __launch_bounds__(384, 1) bench(const unsigned char* pool, const
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   unsigned seed = blockIdx.x * 977 + vt / 8;
   for (int r = 0; *(volatile int*)&done == 0 && r < 1000000; ++r) {
-    if (MODE & 1) {   // one 32-key tile: key vt / 8, chunk vt % 8 of each slab
+    if (MODE & 1) {   // one 32-key tile
       seed = seed * 1664525u + 1013904223u;
-      const int key = vt / 8, cc = vt % 8;
-      const unsigned char* src = pool + (long long)slots[seed % nslots] * 1152 + cc * 16;
-      const uint32_t dst = kb + (r & 3) * kTile + key * 128 + ((cc ^ (key & 7)) << 4);
-#pragma unroll
-      for (int slab = 0; slab < 9; ++slab)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + slab * 4096), "l"(src + slab * 128) : "memory");
-      asm volatile("cp.async.commit_group;\ncp.async.wait_group 3;\n" ::: "memory");
+      gather_tile_async(pool, slots[seed % nslots], vt, kb + (r & 3) * kTile);
     }
-    if (MODE & 2) {
-      const uint32_t vbase = kb + (r & 3) * kTile + (4 * (vt >> 7)) * 4096;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-        wgmma_ss_n256_bt(o, desc_sw128(pb + kk * 32, 16, 1024), desc_sw128(vbase + kk * 2048, 4096, 1024));
-      asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    }
+    if (MODE & 2) pv_round(o, pb, kb + (r & 3) * kTile + (4 * (vt >> 7)) * 4096);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   float acc = 0.f;

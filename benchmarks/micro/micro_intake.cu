@@ -16,76 +16,44 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
-#include "micro_common.cuh"
-#include "wgmma_ops.inc"
+#include "micro_split.cuh"
 
-constexpr int kQ = 9 * 8192, kTile = 9 * 4096, kRing = 4 * kTile, kP = 8192;
 constexpr int kSmem = kQ + kRing + kP + 1024;
 
 template <int MODE>
 __global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, const int* slots, int nslots, int tiles,
                                                  int reuse, long long* rounds) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char* sm = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
+  unsigned char* sm = split_smem(raw, 384);
   const uint32_t qb = smem_u32(sm), kb = qb + kQ, pb = kb + kRing;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  for (int i = threadIdx.x; i < (kQ + kRing + kP) / 4; i += 384) reinterpret_cast<uint32_t*>(sm)[i] = 0x3c003c00u ^ (i & 0xff);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __shared__ int done;
   if (threadIdx.x == 0) done = 0;
   __syncthreads();
   if (wg == 0) {
     long long r = 0;
+    // the accumulators' sum is stored only if impossible, so the products are not optimised away
     if (MODE == 1) {
       float s[16] = {};
-      for (; *(volatile int*)&done == 0; ++r) {
-        const uint32_t kbase = kb + (r & 3) * kTile;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int ks = 0; ks < 36; ++ks)
-          wgmma_ss_n32(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
-                       desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
-        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      }
+      for (; *(volatile int*)&done == 0; ++r) s_round_n32(s, qb, kb + (r & 3) * kTile);
       if (s[0] == 1234.f && s[15] == 1234.f) rounds[gridDim.x] = 0;
-    } else if (MODE == 2) {   // N = 64 (64 rows x 128 B per k-step: the access pattern, not the data, matters), 18 k-steps
+    } else if (MODE == 2) {
       float s[32] = {};
-      for (; *(volatile int*)&done == 0; ++r) {
-        const uint32_t kbase = kb + (r & 1) * 2 * kTile;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int ks = 0; ks < 18; ++ks)
-          wgmma_ss_n64(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
-                       desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
-        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      }
+      for (; *(volatile int*)&done == 0; ++r) s_round_n64(s, qb, kb + (r & 1) * 2 * kTile);
       if (s[0] == 1234.f && s[31] == 1234.f) rounds[gridDim.x] = 0;
     } else if (MODE == 3) {
       float o[128] = {};
-      for (; *(volatile int*)&done == 0; ++r) {
-        const uint32_t vbase = kb + (r & 3) * kTile;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-          wgmma_ss_n256_bt(o, desc_sw128(pb + kk * 32, 16, 1024), desc_sw128(vbase + kk * 2048, 4096, 1024));
-        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      }
+      for (; *(volatile int*)&done == 0; ++r) pv_round(o, pb, kb + (r & 3) * kTile);
       if (o[0] == 1234.f && o[127] == 1234.f) rounds[gridDim.x] = 0;
     }
     if (t == 0) rounds[blockIdx.x] = r;
     return;
   }
-  // gather: thread vt takes chunk vt % 8 of every slab of key vt / 8 of each tile (the kernel's split)
-  const int vt = threadIdx.x - 128, key = vt / 8, cc = vt % 8;
-  unsigned seed = (blockIdx.x / reuse) * 977u + key;
+  const int vt = threadIdx.x - 128;
+  unsigned seed = (blockIdx.x / reuse) * 977u + vt / 8;   // key vt / 8 of each tile
   for (int i = 0; i < tiles; ++i) {
     seed = seed * 1664525u + 1013904223u;
-    const unsigned char* src = pool + (long long)slots[seed % nslots] * 1152 + cc * 16;
-    const uint32_t dst = kb + (i & 3) * kTile + key * 128 + ((cc ^ (key & 7)) << 4);
-#pragma unroll
-    for (int slab = 0; slab < 9; ++slab)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + slab * 4096), "l"(src + slab * 128) : "memory");
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 3;\n" ::: "memory");
+    gather_tile_async(pool, slots[seed % nslots], vt, kb + (i & 3) * kTile);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   asm volatile("bar.sync 1, 256;\n" ::: "memory");   // both gather warpgroups done
