@@ -214,11 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 
       // end of the item: warpgroup 1's sums (relative to its latest m_use) go to warpgroup 0, which adds
       // them to its own at the larger reference and stores the rows' sums for the value warpgroups
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        l_own[half] += __shfl_xor_sync(0xffffffffu, l_own[half], 1);
-        l_own[half] += __shfl_xor_sync(0xffffffffu, l_own[half], 2);
-      }
+      quad_sum_rows(l_own);
       if (s == 1) {
         if (c == 0) {
 #pragma unroll

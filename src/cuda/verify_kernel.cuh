@@ -591,6 +591,15 @@ __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemC
   prm.partial_lse[prow] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
+// A thread's partial row sums of its two rows (a quad of threads holds each row's columns) reduced over the quad.
+__device__ __forceinline__ void quad_sum_rows(float (&l)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+  }
+}
+
 // End of an item, score side: l (a per-thread partial) reduced over the quad, the row statistics
 // stored for the value side, and for a split request the partial log2-sum-exp of each row (after
 // `bar`, the barrier the value side waits on before it reads row_m / row_l).
@@ -598,11 +607,7 @@ template <typename Bar>
 __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx, int H, int wrow, int g, int c,
                                             const float (&m_run)[2], float (&l_run)[2], float* row_m,
                                             float* row_l, Bar bar) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
-  }
+  quad_sum_rows(l_run);
   if (c == 0) {
     row_m[wrow + g] = m_run[0];
     row_m[wrow + g + 8] = m_run[1];

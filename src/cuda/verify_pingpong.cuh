@@ -260,11 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
 
     // end of the item: both warpgroups' row sums (each relative to the final maxima: every tile's were
     // seen) exchanged on the l_full mbarriers and added, O normalised into its row
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
-    }
+    quad_sum_rows(l_run);
     if (c == 0) {
       sm.l[w][wrow + g] = l_run[0];
       sm.l[w][wrow + g + 8] = l_run[1];
