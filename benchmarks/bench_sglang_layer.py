@@ -4,7 +4,12 @@ patched by kdtree (KDTREE_VERIFY=on): the KV save, the mask rebuild, the kernel,
 Run on a GPU machine with SGLang importable (`source .carry/sglang/activate` there):
     python benchmarks/bench_sglang_layer.py --out layer.json
 Real backend, pool and layer objects (tests/sglang_harness.py), B=1, H=16, N=9, random tree,
-page size 1, shuffled slots in a pool of >= 262,144 slots (302 MB, several times L2).
+page size 1, shuffled slots in a pool of >= 262,144 slots (302 MB per layer, several times L2).
+
+A forward pass of `--pass-layers` layers (ids 0, 1, ...; one metadata object) is also captured in one
+CUDA graph, as SGLang's graph runner captures target verify: the first layer packs the mask and plans,
+the later ones reuse both. Its replay time per layer is reported with the plan reused (the default)
+and with every layer planning for itself, which is what plan reuse saves.
 """
 import argparse
 import json
@@ -23,15 +28,47 @@ import kdtree.sglang_patch as patch  # noqa: E402
 POOL_SLOTS = 262_144
 
 
+def pass_timing(case, layers):
+    """Per-layer replay time of a captured forward pass of ``layers`` layers, with the plan reused by
+    layers 1.. (the patch's default) and with every layer planning for itself."""
+    layer_objs = [case.layer] + [type(case.layer)(case.layer.tp_q_head_num, 576, case.layer.scaling, 1, i,
+                                                  v_head_dim=512) for i in range(1, layers)]
+    real_pass_for = patch._pass_for
+    result, outs = {}, {}
+    for key, reuse in (("pass_reuse_us", True), ("pass_noreuse_us", False)):
+        if not reuse:
+            patch._pass_for = lambda *a: (real_pass_for(*a)[0], False)
+        try:
+            def run():
+                return [case.backend.forward_extend(case.q, case.k, case.v, lyr, case.forward_batch)
+                        for lyr in layer_objs]
+            with parallel_context(case.sg):
+                run()                                          # eager warm-up (sizes the workspace)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    captured = run()
+            g.replay()
+            torch.cuda.synchronize()
+            outs[key] = torch.stack([o.clone() for o in captured])
+            result[key] = do_bench(g.replay, warmup=20, rep=300, return_mode="median") * 1e3 / layers
+        finally:
+            patch._pass_for = real_pass_for
+        del g
+    result["pass_equal"] = bool(torch.equal(outs["pass_reuse_us"], outs["pass_noreuse_us"]))
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="layer.json")
     ap.add_argument("--prefixes", default="8192,32768,131072")
+    ap.add_argument("--pass-layers", type=int, default=8, help="layers of the captured forward pass (0: none)")
     args = ap.parse_args()
     rows = []
     for p in [int(x) for x in args.prefixes.split(",")]:
         case = build_case(batch=1, heads=16, n=9, prefix_lens=[p], mask="tree", device="cuda", seed=p,
-                          spare_slots=max(7, POOL_SLOTS - p - 9))
+                          spare_slots=max(7, POOL_SLOTS - p - 9), layer_num=max(1, args.pass_layers))
         patch.uninstall()
         case.call()
         torch.cuda.synchronize()
@@ -49,12 +86,18 @@ def main():
         g.replay()
         torch.cuda.synchronize()
         graph_ms = do_bench(g.replay, warmup=50, rep=300, return_mode="median")
-        patch.uninstall()
         row = dict(prefix=p, heads=16, n=9, original_us=orig_ms * 1e3, patched_us=on_ms * 1e3,
                    patched_graph_us=graph_ms * 1e3, speedup=orig_ms / on_ms, rel_err=err)
+        if args.pass_layers > 0:
+            row.update(pass_timing(case, args.pass_layers))
+        patch.uninstall()
         rows.append(row)
         print(f"forward_extend P={p:>6}: original {row['original_us']:9.1f} us  kdtree on {row['patched_us']:7.1f} us "
               f"(graph replay {row['patched_graph_us']:6.1f})  x{row['speedup']:6.1f}  rel err {err:.1e}", flush=True)
+        if args.pass_layers > 0:
+            print(f"  pass of {args.pass_layers} layers in one graph, per layer: plan reused {row['pass_reuse_us']:6.1f} us, "
+                  f"planned per layer {row['pass_noreuse_us']:6.1f} us (saves {row['pass_noreuse_us'] - row['pass_reuse_us']:.1f}); "
+                  f"outputs equal: {row['pass_equal']}", flush=True)
         del case, g
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

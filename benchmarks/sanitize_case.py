@@ -1,5 +1,6 @@
 """One kdtree call for compute-sanitizer: `small` (one split per request, B=2), `split` (split-K + combine) or
-`many` (24 requests, more work items than SMs: blocks run several items, some split, back to back).
+`many` (24 requests, more work items than SMs: blocks run several items, some split, back to back); `reuse`:
+the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q).
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small
@@ -14,12 +15,20 @@ from kdtree.reference import verify_attention_reference
 from kdtree.synthetic import make_verify_batch
 
 case = sys.argv[1] if len(sys.argv) > 1 else "small"
-prefixes = {"small": [40, 0], "split": [3000, 70], "many": [300 + 53 * i for i in range(24)]}[case]
+many = [300 + 53 * i for i in range(24)]
+prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many}[case]
 b = make_verify_batch(prefixes, 16, 9, kind="tree", pad=2, device="cuda", seed=1)
 args = b.verify_args()
-out = kdtree.verify_attention(**args)
-torch.cuda.synchronize()
-ref = verify_attention_reference(**args)
-err = ((out.float() - ref).norm() / ref.norm()).item()
-print(f"sanitize case {case}: prefixes {prefixes}, rel err {err:.2e}")
-sys.exit(0 if err < 1e-2 and torch.isfinite(out).all() else 1)
+ok = True
+calls = 2 if case == "reuse" else 1
+ws = kdtree.Workspace()
+for i in range(calls):
+    if i:
+        b.q.copy_(torch.randn_like(b.q))   # q_nope / q_pe are views of b.q
+    out = kdtree.verify_attention(**args, workspace=ws, reuse_plan=i > 0)
+    torch.cuda.synchronize()
+    ref = verify_attention_reference(**args)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    print(f"sanitize case {case}, call {i}: prefixes {prefixes}, rel err {err:.2e}")
+    ok = ok and err < 1e-2 and bool(torch.isfinite(out).all())
+sys.exit(0 if ok else 1)

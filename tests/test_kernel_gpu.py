@@ -226,6 +226,53 @@ def test_cuda_graph_capture_and_replay():
     assert torch.equal(eager, out), "graph replay differs from eager"
 
 
+def _layers(count, seed):
+    """``count`` verify batches with the same request lengths (the metadata one forward pass shares) but
+    their own q, KV values and slot ids, as the layers of one pass see them: 64 requests of up to 3000
+    keys and one of 40,000, i.e. well over one work item per SM, so that blocks claim items from the
+    plan's counter."""
+    prefixes = [int(x) for x in torch.randint(0, 3000, (64,), generator=torch.Generator().manual_seed(seed))]
+    prefixes.append(40000)
+    return [make_verify_batch(prefixes, 16, 9, kind="tree", device="cuda", seed=seed + i) for i in range(count)]
+
+
+def test_reused_plan_serves_the_later_layers_of_a_pass():
+    # layer 0 plans into the caller's workspace, layers 1-3 run on that plan (no plan kernel): every
+    # layer's output must equal a call that plans for itself, bit for bit. A work counter left at its end
+    # value by the previous layer would skip most items (NaN rows); the combine resets it.
+    ws = kdtree.Workspace()
+    for i, batch in enumerate(_layers(4, seed=31)):
+        out, args = _run(batch, workspace=ws, reuse_plan=i > 0)
+        _check(out, args)
+        assert torch.equal(out, kdtree.verify_attention(**args)), f"layer {i}: the reused plan's result differs"
+
+
+def test_reused_plan_in_a_cuda_graph():
+    # a captured pass: layer 0's plan kernel and layers 1-2 without one, replayed twice on new values
+    layers = _layers(3, seed=51)
+    ws = kdtree.Workspace()
+    argss = [b.verify_args() for b in layers]
+    t, h = layers[0].q.shape[:2]
+    outs = [torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda") for _ in layers]
+    for i, (args, out) in enumerate(zip(argss, outs)):   # eager warm-up sizes the workspace
+        kdtree.verify_attention(**args, out=out, workspace=ws, reuse_plan=i > 0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i, (args, out) in enumerate(zip(argss, outs)):
+            kdtree.verify_attention(**args, out=out, workspace=ws, reuse_plan=i > 0)
+    for rep in range(2):
+        for b in layers:
+            b.q.copy_(torch.randn_like(b.q))
+        for out in outs:
+            out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, (args, out) in enumerate(zip(argss, outs)):
+            _check(out, args)
+            assert torch.equal(out, kdtree.verify_attention(**args)), f"replay {rep}, layer {i} differs from eager"
+
+
 def test_tree_mask_narrower_than_the_drafts_is_never_read_past():
     # 70 drafts but a 1-word (64-column) mask: the host cannot see N_b without a sync, so the kernel
     # must treat drafts 64.. as invisible rather than read past the mask row (memory safety).

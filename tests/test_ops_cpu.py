@@ -274,16 +274,15 @@ def test_tensor_subclasses_take_the_full_checks():
     assert len(ops._CHECKED) == 1   # only the plain-tensor call was cached
 
 
-def test_cuda_branch_launches_the_checked_layout(monkeypatch):
-    # the CUDA branch of verify_attention run on CPU tensors with the device, the stream and the
-    # extension stubbed: the launch gets the sizes and strides the checks derived, on the first
-    # (checked) and the second (cached) call alike
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """verify_attention's CUDA branch on CPU tensors: the device, the stream, graph capture state,
+    allocation and the extension stubbed. Yields (launch keyword dicts, a 4096-byte workspace)."""
     import contextlib
     import types
 
     from kdtree import _ext, ops
 
-    args, _ = batch_args((40, 0, 7), 9, 3)
     launches = []
 
     class FakeExt:
@@ -296,12 +295,29 @@ def test_cuda_branch_launches_the_checked_layout(monkeypatch):
     ws = torch.empty(8192, dtype=torch.uint8)
     ws = ws[(-ws.data_ptr()) % 256:][:4096]   # 256-byte aligned, like the real workspace
     real = ops._check_structure
+    real_empty = torch.empty
+
+    def empty(*size, device=None, **kw):   # "CUDA" buffers of a Workspace are CPU tensors here
+        return real_empty(*size, **kw)
+
     monkeypatch.setattr(ops, "_check_structure", lambda *a: real(*a)._replace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(_ext, "load", lambda: FakeExt())
     monkeypatch.setattr(ops, "workspace_for", lambda device, nbytes: ws)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=1234))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch, "empty", empty)
     ops._CHECKED.clear()
+    yield launches, ws
+    ops._CHECKED.clear()
+
+
+def test_cuda_branch_launches_the_checked_layout(fake_cuda):
+    # the CUDA branch of verify_attention run on CPU tensors with the device, the stream and the
+    # extension stubbed: the launch gets the sizes and strides the checks derived, on the first
+    # (checked) and the second (cached) call alike
+    launches, ws = fake_cuda
+    args, _ = batch_args((40, 0, 7), 9, 3)
     out = torch.empty(27, 3, 512, dtype=torch.bfloat16)
     call(args, out=out)
     call(args, out=out)
@@ -317,6 +333,50 @@ def test_cuda_branch_launches_the_checked_layout(monkeypatch):
     assert kw["q_nope"] == q_nope.data_ptr() and kw["out"] == out.data_ptr() and kw["kv_cache"] == kv.data_ptr()
     assert kw["num_slots"] == kv.shape[0] and kw["sm_scale"] == SM_SCALE
     assert kw["workspace"] == ws.data_ptr() and kw["workspace_bytes"] == 4096 and kw["stream"] == 1234
+    assert kw["reuse_plan"] is False
+
+
+def test_reuse_plan_needs_the_callers_workspace(fake_cuda, monkeypatch):
+    from kdtree import ops
+
+    launches, ws = fake_cuda
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    with pytest.raises(ValueError, match=r"reuse_plan=True needs workspace="):
+        call(args, reuse_plan=True)
+    assert not launches
+    monkeypatch.setattr(ops, "_device", lambda t, name, device: None)   # ws is a CPU tensor standing in
+    call(args, workspace=ws, reuse_plan=True)
+    assert launches[-1]["reuse_plan"] is True and launches[-1]["workspace"] == ws.data_ptr()
+
+
+def test_reuse_plan_on_a_workspace_object_that_grows_plans_afresh(fake_cuda):
+    from kdtree import ops
+
+    launches, _ = fake_cuda
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    own = ops.Workspace()
+    call(args, workspace=own, reuse_plan=True)     # the first call allocates: there is no plan to reuse
+    call(args, workspace=own, reuse_plan=True)     # same buffer: reuse
+    call(args, workspace=own)
+    assert [kw["reuse_plan"] for kw in launches] == [False, True, False]
+    assert len({kw["workspace"] for kw in launches}) == 1
+    assert launches[0]["workspace"] == own.get(torch.device("cuda", 0), 1).data_ptr()
+    assert launches[0]["workspace_bytes"] >= 4096
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_reuse_plan_must_be_a_bool(value):
+    args, _ = batch_args((4,), 2, 1)
+    with pytest.raises(TypeError, match=r"reuse_plan must be a bool"):
+        call(args, reuse_plan=value)
+
+
+def test_cpu_ignores_a_workspace_object_and_reuse_plan():
+    from kdtree import ops
+
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    ref = call(args)
+    assert torch.equal(call(args, workspace=ops.Workspace(), reuse_plan=True), ref)
 
 
 def test_too_many_heads():

@@ -11,6 +11,7 @@ end to end; the CUDA kernel itself is covered by tests/test_sglang_gpu.py.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -254,8 +255,26 @@ def test_on_with_unit_kv_scales_saves_like_original(sg_patch):
     assert sg_patch.stats()["served"] == 1
 
 
-def test_on_reuses_tree_mask_across_layers_of_one_pass(sg_patch, monkeypatch):
-    from kdtree import layout
+def _spy_kernel_calls(monkeypatch, fail_first=False):
+    """Record (reuse_plan, workspace) of every ops.verify_attention call the patch makes; with
+    ``fail_first`` the first call raises before launching anything."""
+    from kdtree import ops
+
+    calls = []
+    real = ops.verify_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("reuse_plan", False), kwargs.get("workspace")))
+        if fail_first and len(calls) == 1:
+            raise RuntimeError("launch failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "verify_attention", spy)
+    return calls
+
+
+def test_on_reuses_tree_mask_and_plan_across_layers_of_one_pass(sg_patch, monkeypatch):
+    from kdtree import layout, ops
 
     built = []
     real = layout.build_tree_mask
@@ -265,19 +284,41 @@ def test_on_reuses_tree_mask_across_layers_of_one_pass(sg_patch, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(layout, "build_tree_mask", counting)
+    calls = _spy_kernel_calls(monkeypatch)
     sg_patch.install("on", propagate=False)
-    case = build_case(seed=12, batch=2, n=4, layer_num=2, prefix_lens=[5, 8])
-    layer1 = type(case.layer)(case.num_heads, 576, DEFAULT_SCALING, 1, 1, v_head_dim=512)
-    layers = [case.layer, layer1]
+    case = build_case(seed=12, batch=2, n=4, layer_num=3, prefix_lens=[5, 8])
+    layers = [case.layer] + [type(case.layer)(case.num_heads, 576, DEFAULT_SCALING, 1, i, v_head_dim=512)
+                             for i in (1, 2)]
     with parallel_context(case.sg):
         outs = [case.backend.forward_extend(case.q, case.k, case.v, lyr, case.forward_batch) for lyr in layers]
-    assert len(built) == 1, "one forward pass (layers 0, 1) must pack the mask once"
+    assert len(built) == 1, "one forward pass (layers 0, 1, 2) must pack the mask once"
+    assert [reuse for reuse, _ in calls] == [False, True, True], "layers after the first reuse the plan"
+    workspaces = {id(ws) for _, ws in calls}
+    assert len(workspaces) == 1 and isinstance(calls[0][1], ops.Workspace), "the backend's own workspace"
+    assert calls[0][1] is not ops._shared_workspace
     for lyr, out in zip(layers, outs):
         case.layer = lyr
         assert_close_bf16(out, reference_output(case), what=f"layer {lyr.layer_id}")
     case.layer = layers[0]
-    case.call()                                    # layer 0 again: a new pass rebuilds
-    assert len(built) == 2
+    case.call()                                    # layer 0 again: a new pass packs and plans again
+    assert len(built) == 2 and calls[-1][0] is False
+    case.backend.forward_metadata = copy.copy(case.backend.forward_metadata)
+    case.layer = layers[1]
+    case.call()                                    # new metadata object: a new pass, even at layer 1
+    assert len(built) == 3 and calls[-1][0] is False
+
+
+def test_on_failed_launch_leaves_no_plan_to_reuse(sg_patch, monkeypatch):
+    calls = _spy_kernel_calls(monkeypatch, fail_first=True)
+    sg_patch.install("on", propagate=False)
+    case = build_case(seed=13, batch=2, n=4, layer_num=2, prefix_lens=[5, 8])
+    layer1 = type(case.layer)(case.num_heads, 576, DEFAULT_SCALING, 1, 1, v_head_dim=512)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        case.call()                                # layer 0: the launch fails
+    case.layer = layer1
+    out = case.call()                              # layer 1 of the same pass must plan afresh
+    assert [reuse for reuse, _ in calls] == [False, False]
+    assert_close_bf16(out, reference_output(case))
 
 
 # ------------------------------------------------------------------------------------------------

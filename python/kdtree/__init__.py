@@ -3,7 +3,8 @@
 Public API::
 
     kdtree.verify_attention(q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new,
-                            tree_mask, sm_scale, *, out=None, workspace=None)
+                            tree_mask, sm_scale, *, out=None, workspace=None, reuse_plan=False)
+    kdtree.Workspace()                                        # a caller's own grow-only scratch
     kdtree.verify_attention_mla(q, k, key_buffer, ...)        # SGLang's unsplit tensors
     kdtree.verify_attention_reference(...)                    # plain torch, float32/float64
     kdtree.split_mla_q(q), kdtree.kv_cache_2d(key_buffer)     # views
@@ -17,7 +18,7 @@ CUDA call, SGLang is never imported here, and no GPU is required (CPU tensors us
 import logging
 
 from .layout import build_tree_mask, kv_cache_2d, split_mla_q
-from .ops import verify_attention, verify_attention_mla
+from .ops import Workspace, verify_attention, verify_attention_mla
 from .reference import verify_attention_reference
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "__version__",
+    "Workspace",
     "verify_attention",
     "verify_attention_mla",
     "verify_attention_reference",

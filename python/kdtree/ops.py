@@ -16,6 +16,11 @@ up every batch size before capturing it, largest first), or pass ``workspace=`` 
 capture that would need to grow the cache raises instead of allocating inside the capture.
 Buffers that a capture has recorded are kept alive for the life of the process when the cache
 grows later, so earlier graphs never replay into freed memory.
+
+Plan reuse: every call plans its split on the GPU (one small kernel) and leaves the plan in its
+workspace. The layers of one forward pass share their metadata, so a caller holding its own
+:class:`Workspace` may pass ``reuse_plan=True`` for every layer after the first and skip that
+kernel (``kdtree.sglang_patch`` does).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from . import _ext
 from .layout import kv_cache_2d, split_mla_q
 from .reference import verify_attention_reference
 
-__all__ = ["verify_attention", "verify_attention_mla", "workspace_for"]
+__all__ = ["Workspace", "verify_attention", "verify_attention_mla", "workspace_for"]
 
 HEAD_DIM_NOPE = 512
 HEAD_DIM_PE = 64
@@ -138,40 +143,63 @@ def _sm_scale(sm_scale) -> float:
 # workspace cache
 # --------------------------------------------------------------------------------------------
 
-_workspace_lock = threading.Lock()
-_workspace: Dict[int, torch.Tensor] = {}         # device index -> current buffer
-_workspace_captured: Dict[int, bool] = {}        # device index -> current buffer used in a capture
-_workspace_retired: List[torch.Tensor] = []      # buffers recorded by captures; never freed
+class Workspace:
+    """Grow-only kdtree scratch on each CUDA device (uint8, 256-byte aligned): the split pass's partials
+    and its work plan.
+
+    :meth:`get` allocates (``torch.empty``) only when a call needs more than any earlier call on that
+    device, and raises RuntimeError instead when that would happen inside a CUDA-graph capture.
+    Buffers a capture has recorded stay alive for the life of the object when it grows later, so
+    earlier graphs never replay into freed memory. ``kdtree.verify_attention`` uses one shared
+    instance; a caller that reuses plans across calls (``reuse_plan=True``) keeps its own, so that
+    no other caller's plan lands in between.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buffers: Dict[int, torch.Tensor] = {}    # device index -> current buffer
+        self._captured: Dict[int, bool] = {}           # device index -> current buffer used in a capture
+        self._retired: List[torch.Tensor] = []         # buffers recorded by captures; never freed
+
+    def get(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """This device's buffer, at least ``nbytes`` bytes."""
+        return self._get(device, nbytes)[0]
+
+    def _get(self, device: torch.device, nbytes: int):
+        """(buffer, whether it was allocated by this call)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        capturing = torch.cuda.is_current_stream_capturing()
+        with self._lock:
+            buf = self._buffers.get(index)
+            if buf is None or buf.numel() < nbytes:
+                if capturing:
+                    have = 0 if buf is None else buf.numel()
+                    raise RuntimeError(
+                        f"kdtree workspace on cuda:{index} must grow from {have} to {nbytes} bytes during a "
+                        f"CUDA-graph capture; run one eager verify_attention call of the largest (batch, tokens, "
+                        f"heads) before capturing, or pass workspace= (a uint8 CUDA tensor of "
+                        f"kdtree._verify.workspace_size bytes)")
+                if buf is not None and self._captured.get(index):
+                    self._retired.append(buf)  # a captured graph still points at it
+                size = max(nbytes, 1 << 20)
+                size = 1 << (size - 1).bit_length() if size < (64 << 20) else size
+                buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+                self._buffers[index] = buf
+                self._captured[index] = False
+                grew = True
+            else:
+                grew = False
+            if capturing:
+                self._captured[index] = True
+            return buf, grew
+
+
+_shared_workspace = Workspace()
 
 
 def workspace_for(device: torch.device, nbytes: int) -> torch.Tensor:
-    """The per-device grow-only workspace, at least ``nbytes`` bytes (uint8, 256-byte aligned).
-
-    Allocates (``torch.empty`` on ``device``) only when ``nbytes`` exceeds the cached size; raises
-    RuntimeError instead when that would happen inside a CUDA-graph capture.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capturing = torch.cuda.is_current_stream_capturing()
-    with _workspace_lock:
-        buf = _workspace.get(index)
-        if buf is None or buf.numel() < nbytes:
-            if capturing:
-                have = 0 if buf is None else buf.numel()
-                raise RuntimeError(
-                    f"kdtree workspace on cuda:{index} must grow from {have} to {nbytes} bytes during a CUDA-graph "
-                    f"capture; run one eager verify_attention call of the largest (batch, tokens, heads) before "
-                    f"capturing, or pass workspace= (a uint8 CUDA tensor of kdtree._verify.workspace_size bytes)")
-            if buf is not None and _workspace_captured.get(index):
-                _workspace_retired.append(buf)  # a captured graph still points at it
-            # round up so that small growth steps do not each reallocate
-            size = max(nbytes, 1 << 20)
-            size = 1 << (size - 1).bit_length() if size < (64 << 20) else size
-            buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
-            _workspace[index] = buf
-            _workspace_captured[index] = False
-        if capturing:
-            _workspace_captured[index] = True
-        return buf
+    """The shared per-device grow-only workspace (see :class:`Workspace`), at least ``nbytes`` bytes."""
+    return _shared_workspace.get(device, nbytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +333,8 @@ def verify_attention(
     sm_scale: float,
     *,
     out: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
+    workspace=None,
+    reuse_plan: bool = False,
 ) -> torch.Tensor:
     """Paged tree-verify attention over MLA latents for a batch of B requests.
 
@@ -330,8 +359,14 @@ def verify_attention(
         sm_scale: positive finite host float (SGLang's ``layer.scaling``).
         out: optional ``[T, H, 512]`` bfloat16 written in place (last dim contiguous).
         workspace: optional CUDA uint8 tensor of at least ``kdtree._verify.workspace_size(B, T, H)``
-            bytes, 256-byte aligned; default: the per-device grow-only cache (see the module docs
-            for CUDA graphs).
+            bytes, 256-byte aligned, or a :class:`Workspace` (grow-only, per device); default: a
+            shared :class:`Workspace` (see the module docs for CUDA graphs).
+        reuse_plan: skip the GPU work plan and run on the plan ``workspace`` holds from the previous
+            call on it, which must have had the same B, T, H and the same ``kv_indptr`` /
+            ``qo_indptr`` values (an earlier layer of the same forward pass: saves one kernel and
+            its dependency wait). Needs an explicit ``workspace``; the values are not checked (they
+            live on the GPU), so a wrong reuse gives wrong results. A :class:`Workspace` that had to
+            grow for this call holds no plan, and the call computes it. Ignored for CPU tensors.
     Returns:
         ``out`` (allocated with ``torch.empty`` when not given), ``[T, H, 512]`` bfloat16.
 
@@ -352,9 +387,11 @@ def verify_attention(
             _CHECKED[key] = checked
     device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st = checked
     scale = _sm_scale(sm_scale)
+    if not isinstance(reuse_plan, bool):
+        raise TypeError(f"reuse_plan must be a bool, got {type(reuse_plan).__name__}")
 
     if device.type != "cuda":
-        if workspace is not None:
+        if workspace is not None and not isinstance(workspace, Workspace):   # a Workspace holds CUDA buffers only
             _tensor(workspace, "workspace")
             raise ValueError(f"workspace is only used for CUDA tensors; got one on {workspace.device} "
                              f"while the inputs are on {device}")
@@ -380,7 +417,14 @@ def verify_attention(
     with torch.cuda.device(device):
         need = int(ext.workspace_size(B, T, H))
         if workspace is None:
+            if reuse_plan:
+                raise ValueError("reuse_plan=True needs workspace= (the Workspace or buffer of the call that computed "
+                                 "the plan); the shared default workspace may hold another caller's plan")
             workspace = workspace_for(device, need)
+        elif isinstance(workspace, Workspace):
+            workspace, grew = workspace._get(device, need)
+            if grew:
+                reuse_plan = False   # a new buffer holds no plan: compute it (always correct)
         else:
             _tensor(workspace, "workspace")
             _dtype(workspace, "workspace", torch.uint8)
@@ -426,6 +470,7 @@ def verify_attention(
             workspace=workspace.data_ptr(),
             workspace_bytes=int(workspace.numel()),
             stream=torch.cuda.current_stream(device).cuda_stream,
+            reuse_plan=reuse_plan,
         )
     return out
 
@@ -441,7 +486,8 @@ def verify_attention_mla(
     sm_scale: float,
     *,
     out: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
+    workspace=None,
+    reuse_plan: bool = False,
 ) -> torch.Tensor:
     """:func:`verify_attention` on SGLang's MLA tensors as the backend receives them.
 
@@ -449,7 +495,8 @@ def verify_attention_mla(
         q: ``[T, H, 576]`` bfloat16 (nope then rope; split with views).
         k: ``[T, 1, 576]`` or ``[T, 576]`` bfloat16, the verify tokens' latent rows.
         key_buffer: the pool's ``[S, 1, 576]`` (or ``[S, 576]``) bfloat16 key buffer.
-        kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, workspace: as in verify_attention.
+        kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, workspace, reuse_plan: as in
+            verify_attention.
     Returns:
         ``[T, H, 512]`` bfloat16.
     """
@@ -460,4 +507,4 @@ def verify_attention_mla(
             raise ValueError(f"k must be [T, 1, {HEAD_DIM_QK}] or [T, {HEAD_DIM_QK}], got {tuple(k.shape)}")
         k = k.select(1, 0)
     return verify_attention(q_nope, q_pe, kv_cache_2d(key_buffer), kv_indptr, kv_indices, qo_indptr, k,
-                            tree_mask, sm_scale, out=out, workspace=workspace)
+                            tree_mask, sm_scale, out=out, workspace=workspace, reuse_plan=reuse_plan)

@@ -522,23 +522,35 @@ def _save_kv(backend, layer, fb, k, v) -> None:
         backend.token_to_kv_pool.set_kv_buffer(layer, loc, k.clone().div_(layer.k_scale), v)
 
 
-def _mask_for(backend, md, layer_id: int, num_tokens: int, capturing: bool):
-    """The packed tree mask of this forward pass, built once and reused by its later layers.
+def _pass_for(backend, md, layer_id: int, num_tokens: int, num_heads: int, capturing: bool):
+    """(packed tree mask, whether the plan in the backend's workspace serves this call) for one layer.
 
-    The mask depends only on the forward metadata, which every layer of one forward pass shares.
-    A pass walks the layers in increasing order, so a layer id not above the last one served (or a
-    different metadata object, or a change of capture state) starts a new pass and rebuilds it:
-    inside a CUDA-graph capture the first layer's pack kernel is therefore captured and replayed.
+    The mask and the kernel's work plan depend only on the forward metadata (and T, H), which every
+    layer of one forward pass shares: the first layer of a pass packs the mask and plans, the later
+    ones reuse both. A pass walks the layers in increasing order, so a layer id not above the last
+    one served (or a different metadata object, T or H, or a change of capture state) starts a new
+    pass: inside a CUDA-graph capture the first layer's pack and plan kernels are therefore captured
+    and replayed. The plan lives in the backend's own workspace (``_workspace_of``), which no other
+    caller writes between two layers. The caller records the pass (``_kdtree_pass_cache``) only once
+    its kernel is launched, so a failed launch never leaves a plan to reuse that was not computed.
     """
-    cache = getattr(backend, "_kdtree_mask_cache", None)
-    if (cache is not None and cache[0] is md and cache[1] < layer_id and cache[2] == capturing
-            and cache[3] == num_tokens):
-        mask = cache[4]
+    cache = getattr(backend, "_kdtree_pass_cache", None)
+    same_pass = (cache is not None and cache[0] is md and cache[1] < layer_id and cache[2] == capturing
+                 and cache[3] == num_tokens and cache[4] == num_heads)
+    if same_pass:
+        mask = cache[5]
     else:
         mask = layout.build_tree_mask(md.custom_mask, md.mask_indptr, md.qo_indptr, md.kv_indptr,
                                       num_tokens, md.max_extend_len)
-    backend._kdtree_mask_cache = (md, layer_id, capturing, num_tokens, mask)
-    return mask
+    return mask, same_pass
+
+
+def _workspace_of(backend) -> ops.Workspace:
+    """The backend's own kdtree workspace (the split pass's partials and the plan its layers reuse)."""
+    ws = backend.__dict__.get("_kdtree_workspace")
+    if ws is None:
+        ws = backend._kdtree_workspace = ops.Workspace()
+    return ws
 
 
 def _kernel(backend, q, k, layer, out3, capturing: bool) -> None:
@@ -552,9 +564,11 @@ def _kernel(backend, q, k, layer, out3, capturing: bool) -> None:
     if k2.stride(-1) != 1:
         k2 = k2.contiguous()
     kv_cache = layout.kv_cache_2d(backend.token_to_kv_pool.get_key_buffer(layer.layer_id))
-    mask = _mask_for(backend, md, layer.layer_id, T, capturing)
+    mask, reuse_plan = _pass_for(backend, md, layer.layer_id, T, H, capturing)
+    backend._kdtree_pass_cache = None   # until this launch is done, no layer may reuse a plan
     ops.verify_attention(q_nope, q_pe, kv_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, k2, mask,
-                         layer.scaling, out=out3)
+                         layer.scaling, out=out3, workspace=_workspace_of(backend), reuse_plan=reuse_plan)
+    backend._kdtree_pass_cache = (md, layer.layer_id, capturing, T, H, mask)
 
 
 def _capturing(q) -> bool:

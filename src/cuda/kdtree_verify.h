@@ -57,6 +57,7 @@ extern "C" {
 #define KDTREE_ERR_ARCH (-13)          /* the current device has no kernel image in this build */
 #define KDTREE_ERR_NUM_SLOTS (-14)     /* num_slots < 1 */
 #define KDTREE_ERR_RESOURCES (-15)     /* the split kernel cannot fit one block on an SM of this GPU */
+#define KDTREE_ERR_REUSE_PLAN (-16)    /* reuse_plan is neither 0 nor 1 */
 
 typedef struct kdtree_verify_params {
   /* ---- queries, T = num_tokens verify tokens of all requests, H = num_heads ---- */
@@ -101,6 +102,14 @@ typedef struct kdtree_verify_params {
   /* ---- scratch (split-K partials, the work plan); never allocated by the launch ---- */
   void* workspace;              /* >= kdtree_verify_workspace_size(...) bytes, 256-byte aligned */
   size_t workspace_bytes;
+
+  /* ---- the work plan ---- */
+  int reuse_plan;               /* 0: plan the split on the GPU in this call (always correct).
+                                   1: skip the plan kernel and run on the plan this workspace already holds:
+                                   the caller guarantees that the last call on this workspace had the same
+                                   batch_size, num_tokens, num_heads and the same kv_indptr / qo_indptr values
+                                   (e.g. an earlier layer of one forward pass, which shares its metadata), on
+                                   the same device. Anything else reads a wrong plan: wrong results. */
 } kdtree_verify_params;
 
 /*
@@ -112,8 +121,9 @@ typedef struct kdtree_verify_params {
  */
 size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads);
 
-/* Validate, plan the split on the GPU, run the split-K pass and the combine on `stream`.
- * Returns KDTREE_OK or an error status; nothing is launched when validation fails.
+/* Validate, plan the split on the GPU (unless params->reuse_plan), run the split-K pass and the combine
+ * on `stream`. Returns KDTREE_OK or an error status; nothing is launched when validation fails.
+ * Every call leaves the plan in the workspace ready for reuse (the combine resets its work counter).
  * The split pass that runs (see kdtree_verify_split_kernel) is the dual-score wgmma kernel on compute
  * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where
  * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Read once per device:

@@ -468,7 +468,8 @@ __device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
 }
 
 // The block's k-th work item: block i starts with item i (no atomic on the way to the first tile, session 10),
-// later ones come from the plan's counter (reset to 0 by the plan kernel), after the grid's first items.
+// later ones come from the plan's counter (reset to 0 by the plan kernel and by every combine), after the
+// grid's first items.
 __device__ __forceinline__ int claim_item(const Params& prm, int k) {
   return k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(prm.counter, 1);
 }
@@ -974,6 +975,9 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   grid_dependency_wait();                  // the split pass's partials (programmatic launch)
   KDTREE_TIMELINE(3, 1);
   const int tid = threadIdx.x;
+  // the split pass is over: reset its work counter, so that the next call on this workspace may run on
+  // the same plan without the plan kernel (kdtree_verify_params.reuse_plan)
+  if (blockIdx.x == 0 && tid == 0) prm.counter[0] = 0;
   // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
   // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
   // a skipped iteration, not a launched block

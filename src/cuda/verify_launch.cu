@@ -171,6 +171,7 @@ int validate(const kdtree_verify_params* p) {
   if (p->qo_indptr_dtype != KDTREE_INDEX_INT32 && p->qo_indptr_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
   if (p->tree_mask && (p->tree_mask_words < 1 || p->tree_mask_words > KDTREE_MAX_MASK_WORDS)) return KDTREE_ERR_MASK_WORDS;
   if (!(p->sm_scale > 0.f) || !isfinite(p->sm_scale)) return KDTREE_ERR_SCALE;
+  if (p->reuse_plan != 0 && p->reuse_plan != 1) return KDTREE_ERR_REUSE_PLAN;
   // strides: a head / token step must not overlap the row it spans (heads may alias only if H == 1)
   if (p->q_nope_stride_h < (p->num_heads > 1 ? KDTREE_HEAD_DIM_NOPE : 0) ||
       p->q_nope_stride_t < (long long)(p->num_heads - 1) * p->q_nope_stride_h + KDTREE_HEAD_DIM_NOPE ||
@@ -285,7 +286,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
 
   const bool pdl = dev.pdl;
-  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
+  if (!p->reuse_plan)
+    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
   const SplitLaunch split = split_launch(dev.kernel);
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
@@ -338,6 +340,7 @@ const char* kdtree_status_string(int status) {
     case KDTREE_ERR_ARCH: return "this build has no kernel image for the current GPU (rebuild with its architecture)";
     case KDTREE_ERR_NUM_SLOTS: return "num_slots must be >= 1";
     case KDTREE_ERR_RESOURCES: return "the split kernel does not fit one block per SM on this GPU (registers/shared memory)";
+    case KDTREE_ERR_REUSE_PLAN: return "reuse_plan must be 0 or 1";
     default: break;
   }
   if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));
