@@ -10,7 +10,8 @@
 // `reuse` consecutive CTAs (3: the three 64-row items of a split at H16 N9 read the same keys, 2 of 3 from L2).
 // WG0, until the gather ends: MODE 0 nothing; 1 S chains (36 wgmma m64n32k16, q and the ring from shared memory);
 // 2 the same FLOPs as m64n64k16 (18 per round: half the q bytes); 3 P V (2 x m64n256k16, B MN-major, per round).
-// Reports the keys' rate into the SMs (TB/s over the kernel's event time) and WG0's wgmma rate.
+// Reports the keys' rate into the SMs (TB/s over the kernel's event time) and WG0's wgmma rate. Then the gather
+// alone with 1-3 tiles in flight per thread instead of 4 (DEPTH): its rate against the bytes in flight per SM.
 #include <cstdio>
 #include <cstdint>
 #include <vector>
@@ -20,7 +21,7 @@
 
 constexpr int kSmem = kQ + kRing + kP + 1024;
 
-template <int MODE>
+template <int MODE, int DEPTH = 4>
 __global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, const int* slots, int nslots, int tiles,
                                                  int reuse, long long* rounds) {
   extern __shared__ __align__(1024) unsigned char raw[];
@@ -53,20 +54,20 @@ __global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, cons
   unsigned seed = (blockIdx.x / reuse) * 977u + vt / 8;   // key vt / 8 of each tile
   for (int i = 0; i < tiles; ++i) {
     seed = seed * 1664525u + 1013904223u;
-    gather_tile_async(pool, slots[seed % nslots], vt, kb + (i & 3) * kTile);
+    gather_tile_async<DEPTH>(pool, slots[seed % nslots], vt, kb + (i & 3) * kTile);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   asm volatile("bar.sync 1, 256;\n" ::: "memory");   // both gather warpgroups done
   if (vt == 0) *(volatile int*)&done = 1;
 }
 
-template <int MODE>
+template <int MODE, int DEPTH = 4>
 void run(const char* what, const unsigned char* pool, const int* slots, int nslots, int sms, int reuse) {
   const int tiles = 1500;
   long long* d;
   cudaMalloc(&d, (sms + 1) * 8);
-  cudaFuncSetAttribute(intake<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  const float ms = best_ms([&] { intake<MODE><<<sms, 384, kSmem>>>(pool, slots, nslots, tiles, reuse, d); }, [] {});
+  cudaFuncSetAttribute(intake<MODE, DEPTH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const float ms = best_ms([&] { intake<MODE, DEPTH><<<sms, 384, kSmem>>>(pool, slots, nslots, tiles, reuse, d); }, [] {});
   const cudaError_t e = cudaDeviceSynchronize();
   std::vector<long long> h(sms);
   cudaMemcpy(h.data(), d, sms * 8, cudaMemcpyDeviceToHost);
@@ -90,6 +91,13 @@ int main() {
     run<1>("+ S m64n32k16 (WG0)", pool, slots, nrows, sms, reuse);
     run<2>("+ S as m64n64k16 (WG0, half the q bytes)", pool, slots, nrows, sms, reuse);
     run<3>("+ P V m64n256k16 MN-major (WG0)", pool, slots, nrows, sms, reuse);
+  }
+  // the rate against the bytes in flight per SM (one tile: 36,864 B): what a ring gets when its buffers are
+  // held by the products and only some of its stages are in flight (session 11)
+  for (int reuse : {1, 3}) {
+    run<0, 1>("gather alone, 1 tile in flight", pool, slots, nrows, sms, reuse);
+    run<0, 2>("gather alone, 2 tiles in flight", pool, slots, nrows, sms, reuse);
+    run<0, 3>("gather alone, 3 tiles in flight", pool, slots, nrows, sms, reuse);
   }
   return 0;
 }
