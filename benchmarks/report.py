@@ -42,11 +42,20 @@ def table(d, other=None, other_label="2-stage (sm_120 path) us"):
 
 
 def layer_table(rows):
-    lines = ["| prefix | SGLang forward_extend us | patched (KDTREE_VERIFY=on) eager us | patched, graph replay us "
-             "| speed-up (graph) | rel. diff |", "|---|---|---|---|---|---|"]
+    passes = all("pass_reuse_us" in r for r in rows)
+    head = ("| prefix | SGLang forward_extend us | patched (KDTREE_VERIFY=on) eager us | patched, graph replay us "
+            "| speed-up (graph) | rel. diff |")
+    rule = "|---|---|---|---|---|---|"
+    if passes:
+        head += " captured pass, per layer, plan reused us | same, planned per layer us |"
+        rule += "---|---|"
+    lines = [head, rule]
     for r in rows:
-        lines.append(f"| {r['prefix']:,} | {r['original_us']:.0f} | {r['patched_us']:.1f} | {r['patched_graph_us']:.1f} "
-                     f"| {r['original_us'] / r['patched_graph_us']:.1f} | {r['rel_err']:.1e} |")
+        line = (f"| {r['prefix']:,} | {r['original_us']:.0f} | {r['patched_us']:.1f} | {r['patched_graph_us']:.1f} "
+                f"| {r['original_us'] / r['patched_graph_us']:.1f} | {r['rel_err']:.1e} |")
+        if passes:
+            line += f" {r['pass_reuse_us']:.1f} | {r['pass_noreuse_us']:.1f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -22,8 +22,10 @@
 //   but refill a buffer while the next tile's P V runs (after P V, the gather took ~600 of their clocks
 //   per tile in the wgmma kernel's trace, session 9): tiles up to t + 3 are in the ring during P V (t).
 // Measured (H200, history 73-79): 4-6% faster than the wgmma kernel on every shape of the benchmark; the
-// score warpgroups now spend most of their time waiting for their tiles to land (delivery binds: 463 MB
-// into the SMs at 3.7 TB/s at H16 N9 P131072), and shared memory has no room for a fifth key stage.
+// score warpgroups now spend most of their time waiting for their tiles to land (463 MB into the SMs at 3.7
+// TB/s at H16 N9 P131072, about half what the SMs take in when nothing waits on the buffers: session 11,
+// history 85 and 90, so the chain through the four key buffers sets the period), and shared memory has no
+// room for a fifth key stage.
 #pragma once
 
 #include "verify_wgmma.cuh"
