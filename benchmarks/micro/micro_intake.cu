@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, cons
   const uint32_t qb = smem_u32(sm), kb = qb + kQ, pb = kb + kRing;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   __shared__ int done;
+  __shared__ int stop_slots[6];   // wg_flag's per-warpgroup answers
   if (threadIdx.x == 0) done = 0;
   __syncthreads();
   if (wg == 0) {
@@ -36,15 +37,15 @@ __global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, cons
     // the accumulators' sum is stored only if impossible, so the products are not optimised away
     if (MODE == 1) {
       float s[16] = {};
-      for (; *(volatile int*)&done == 0; ++r) s_round_n32(s, qb, kb + (r & 3) * kTile);
+      for (; !wg_flag(&done, stop_slots, 0, r); ++r) s_round_n32(s, qb, kb + (r & 3) * kTile);
       if (s[0] == 1234.f && s[15] == 1234.f) rounds[gridDim.x] = 0;
     } else if (MODE == 2) {
       float s[32] = {};
-      for (; *(volatile int*)&done == 0; ++r) s_round_n64(s, qb, kb + (r & 1) * 2 * kTile);
+      for (; !wg_flag(&done, stop_slots, 0, r); ++r) s_round_n64(s, qb, kb + (r & 1) * 2 * kTile);
       if (s[0] == 1234.f && s[31] == 1234.f) rounds[gridDim.x] = 0;
     } else if (MODE == 3) {
       float o[128] = {};
-      for (; *(volatile int*)&done == 0; ++r) pv_round(o, pb, kb + (r & 3) * kTile);
+      for (; !wg_flag(&done, stop_slots, 0, r); ++r) pv_round(o, pb, kb + (r & 3) * kTile);
       if (o[0] == 1234.f && o[127] == 1234.f) rounds[gridDim.x] = 0;
     }
     if (t == 0) rounds[blockIdx.x] = r;

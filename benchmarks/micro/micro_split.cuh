@@ -15,6 +15,18 @@ __device__ __forceinline__ unsigned char* split_smem(unsigned char* raw, int nth
   return sm;
 }
 
+// Whether `flag` is set, as one answer for the whole warpgroup `wg`: wgmma (.sync.aligned) needs all four warps of
+// a warpgroup on the same path, and warps polling a flag on their own may see it change at different rounds (one
+// warp leaving its loop while the others issue the next wgmma: "illegal instruction", session 11). The
+// warpgroup's first thread reads it into slots[2 wg + round % 2]; named barrier 8 + wg hands it on (two slots, so
+// that a round's write never meets the previous round's reads).
+__device__ __forceinline__ bool wg_flag(const int* flag, int* slots, int wg, long long round) {
+  int* slot = &slots[2 * wg + (int)(round & 1)];
+  if (threadIdx.x % 128 == 0) *slot = *(const volatile int*)flag;
+  asm volatile("bar.sync %0, 128;\n" ::"r"(8 + wg) : "memory");
+  return *(volatile int*)slot != 0;
+}
+
 // S of one 32-key tile: 36 wgmma m64n32k16, q (qb) and the keys (kbase) in the kernel's 128-byte swizzle.
 __device__ __forceinline__ void s_round_n32(float (&s)[16], uint32_t qb, uint32_t kbase) {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -22,6 +34,16 @@ __device__ __forceinline__ void s_round_n32(float (&s)[16], uint32_t qb, uint32_
   for (int ks = 0; ks < 36; ++ks)
     wgmma_ss_n32(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
                  desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// S of one 32-key tile with q from registers (wgmma RS): no q bytes from shared memory. The kernel would hold 36
+// fragments (144 registers); 9 repeated stand in for them here (the operands' source, not their values, matters).
+__device__ __forceinline__ void s_round_n32_rs(float (&s)[16], const uint32_t (&qa)[9][4], uint32_t kbase) {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int ks = 0; ks < 36; ++ks)
+    wgmma_rs_n32(s, qa[ks % 9], desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
   asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
@@ -46,9 +68,8 @@ __device__ __forceinline__ void pv_round(float (&o)[128], uint32_t pb, uint32_t 
 }
 
 // Gather thread vt (0..255) copies chunk vt % 8 of every slab of key vt / 8 of one 32-key tile (the kernel's
-// split: 9 cp.async of 16 B) from pool row `slot` into the ring tile at `tile`, at most 4 tiles in flight.
-// One 32-key tile's gather by 256 threads (9 cp.async of 16 B each); returns with at most kInFlight tiles of this
-// thread's copies outstanding.
+// split: 9 cp.async of 16 B) from pool row `slot` into the ring tile at `tile`; returns with at most kInFlight
+// tiles of this thread's copies outstanding.
 template <int kInFlight = 4>
 __device__ __forceinline__ void gather_tile_async(const unsigned char* pool, int slot, int vt, uint32_t tile) {
   const int key = vt / 8, cc = vt % 8;
