@@ -51,7 +51,7 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
-    for c in small split many reuse; do
+    for c in small split many reuse n1; do
       log "compute-sanitizer $tool $c"
       compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "$OUT/sanitize_${tool}_${c}.log" 2>&1
       echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "$OUT/sanitize_${tool}_${c}.log" | tr '\n' ' ')"

@@ -1,6 +1,7 @@
 """One kdtree call for compute-sanitizer: `small` (one split per request, B=2), `split` (split-K + combine) or
 `many` (24 requests, more work items than SMs: blocks run several items, some split, back to back); `reuse`:
-the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q).
+the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q); `n1`: the
+split case with one verify token (16-row items: most of an item's rows are padding).
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small
@@ -16,8 +17,9 @@ from kdtree.synthetic import make_verify_batch
 
 case = sys.argv[1] if len(sys.argv) > 1 else "small"
 many = [300 + 53 * i for i in range(24)]
-prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many}[case]
-b = make_verify_batch(prefixes, 16, 9, kind="tree", pad=2, device="cuda", seed=1)
+prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, "n1": [3000, 70]}[case]
+n = 1 if case == "n1" else 9
+b = make_verify_batch(prefixes, 16, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1)
 args = b.verify_args()
 ok = True
 calls = 2 if case == "reuse" else 1
