@@ -12,35 +12,16 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from host_timing import host_us, sync  # noqa: E402  (benchmarks/)
 from sglang_harness import build_case, parallel_context  # noqa: E402
 
 import kdtree.sglang_patch as patch  # noqa: E402
 from kdtree import layout, ops  # noqa: E402
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def host_us(fn, calls):
-    """Host microseconds per call: the loop's wall time with no synchronisation inside it."""
-    for _ in range(min(20, calls)):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    sync()
-    t2 = time.perf_counter()
-    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
 def main():
