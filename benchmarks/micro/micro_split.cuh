@@ -27,44 +27,56 @@ __device__ __forceinline__ bool wg_flag(const int* flag, int* slots, int wg, lon
   return *(volatile int*)slot != 0;
 }
 
-// S of one 32-key tile: 36 wgmma m64n32k16, q (qb) and the keys (kbase) in the kernel's 128-byte swizzle.
-__device__ __forceinline__ void s_round_n32(float (&s)[16], uint32_t qb, uint32_t kbase) {
+// One round of a warpgroup's wgmma: fence, the issues (`issue`), commit, wait for them all.
+template <typename Issue>
+__device__ __forceinline__ void wgmma_round(Issue issue) {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-  for (int ks = 0; ks < 36; ++ks)
-    wgmma_ss_n32(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
-                 desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
+  issue();
   asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// The descriptors of k-step ks (16 columns) of q (qb: 64-column slabs of 8 KB) and of a 32-key tile (slabs of
+// 4 KB), in the kernel's 128-byte swizzle.
+__device__ __forceinline__ uint64_t q_desc(uint32_t qb, int ks) {
+  return desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024);
+}
+__device__ __forceinline__ uint64_t k_desc(uint32_t kbase, int ks) {
+  return desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024);
+}
+
+// S of one 32-key tile: 36 wgmma m64n32k16, q (qb) and the keys (kbase) in shared memory.
+__device__ __forceinline__ void s_round_n32(float (&s)[16], uint32_t qb, uint32_t kbase) {
+  wgmma_round([&] {
+#pragma unroll
+    for (int ks = 0; ks < 36; ++ks) wgmma_ss_n32(s, q_desc(qb, ks), k_desc(kbase, ks));
+  });
 }
 
 // S of one 32-key tile with q from registers (wgmma RS): no q bytes from shared memory. The kernel would hold 36
 // fragments (144 registers); 9 repeated stand in for them here (the operands' source, not their values, matters).
 __device__ __forceinline__ void s_round_n32_rs(float (&s)[16], const uint32_t (&qa)[9][4], uint32_t kbase) {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  wgmma_round([&] {
 #pragma unroll
-  for (int ks = 0; ks < 36; ++ks)
-    wgmma_rs_n32(s, qa[ks % 9], desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    for (int ks = 0; ks < 36; ++ks) wgmma_rs_n32(s, qa[ks % 9], k_desc(kbase, ks));
+  });
 }
 
 // The same FLOPs as N = 64: 18 wgmma m64n64k16 (64 rows x 128 B of keys per k-step; the access pattern, not
 // the data, matters).
 __device__ __forceinline__ void s_round_n64(float (&s)[32], uint32_t qb, uint32_t kbase) {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  wgmma_round([&] {
 #pragma unroll
-  for (int ks = 0; ks < 18; ++ks)
-    wgmma_ss_n64(s, desc_sw128(qb + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024),
-                 desc_sw128(kbase + (ks >> 2) * 4096 + (ks & 3) * 32, 16, 1024));
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    for (int ks = 0; ks < 18; ++ks) wgmma_ss_n64(s, q_desc(qb, ks), k_desc(kbase, ks));
+  });
 }
 
 // P V of one tile for 256 value columns: 2 wgmma m64n256k16, P (pb) K-major, V (vbase) MN-major.
 __device__ __forceinline__ void pv_round(float (&o)[128], uint32_t pb, uint32_t vbase) {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  wgmma_round([&] {
 #pragma unroll
-  for (int kk = 0; kk < 2; ++kk)
-    wgmma_ss_n256_bt(o, desc_sw128(pb + kk * 32, 16, 1024), desc_sw128(vbase + kk * 2048, 4096, 1024));
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_ss_n256_bt(o, desc_sw128(pb + kk * 32, 16, 1024), desc_sw128(vbase + kk * 2048, 4096, 1024));
+  });
 }
 
 // Gather thread vt (0..255) copies chunk vt % 8 of every slab of key vt / 8 of one 32-key tile (the kernel's
