@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import kdtree  # noqa: E402
+from kdtree import _ext  # noqa: E402
 from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q  # noqa: E402
 from kdtree.synthetic import make_verify_batch  # noqa: E402
 
@@ -34,7 +35,7 @@ FLOP_PER_ROW_KEY = 2 * (576 + 512)
 MIN_POOL_SLOTS = 262_144  # 302 MB of bf16 latent rows: several times the 50-60 MB L2
 
 
-def shapes(quick: bool):
+def shapes(quick: bool, small_rows: bool = False):
     rows = []
     for p in [8192, 32768, 131072, 185000]:
         rows.append(dict(name=f"H16 N9 tree P{p}", prefixes=[p], heads=16, n=9))
@@ -48,6 +49,9 @@ def shapes(quick: bool):
     rows.append(dict(name="H16 N9 tree P131072 contiguous", prefixes=[131072], heads=16, n=9, shuffle=False))
     if quick:
         rows = [r for r in rows if r["name"] in ("H16 N9 tree P8192", "H16 N9 tree P131072", "H16 N1 tree P131072")]
+    if small_rows:   # requests of <= 16 rows (the skinny kernel's calls on sm_90a) beyond the table's H16 N1 P131072
+        for h, n, p in [(16, 1, 8192), (16, 1, 32768), (16, 1, 185000), (8, 2, 131072), (1, 9, 131072)]:
+            rows.append(dict(name=f"H{h} N{n} tree P{p}", prefixes=[p], heads=h, n=n))
     return rows
 
 
@@ -117,6 +121,7 @@ def run_shape(s, extend_fwd, seed):
     graph_ms = graph_bench_ms(kd)
     layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
+               split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h),
                shuffled=s.get("shuffle", True), kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)
     byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"])
@@ -153,7 +158,6 @@ def environment():
     env = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                kdtree=kdtree.__version__)
-    from kdtree import _ext
     env["split_kernel"] = _ext.load().split_kernel()
     try:
         import subprocess
@@ -179,12 +183,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated substrings: keep shapes whose name has one")
+    ap.add_argument("--small-rows", action="store_true", help="add shapes of <= 16 rows per request")
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()
     print(f"[bench] {env['gpu']}, split kernel {env['split_kernel']}", file=sys.stderr)
     recs = []
-    for i, s in enumerate(shapes(args.quick)):
+    for i, s in enumerate(shapes(args.quick, args.small_rows)):
         if args.only and not any(o and o in s["name"] for o in args.only.split(",")):
             continue
         rec = run_shape(s, extend_fwd, seed=100 + i)

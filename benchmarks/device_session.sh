@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
-#   bash benchmarks/device_session.sh build test sanitize bench [quick] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
+#   bash benchmarks/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
 # (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
-# (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, wgmma, pingpong)
+# (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, wgmma, pingpong, skinny
+#  for every call, the dual for small calls)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
 set -uo pipefail
@@ -32,6 +33,7 @@ fi
 if has bench; then
   log bench
   extra=""; has quick && extra="--quick"; has sglang || extra="$extra --no-sglang"
+  has smallrows && extra="$extra --small-rows"
   python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
   if has layer; then python3 benchmarks/bench_sglang_layer.py --out "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log"; fi
   if has sm120path; then
@@ -48,6 +50,10 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
   KDTREE_SPLIT_KERNEL=wgmma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=pingpong (sm_90a, two symmetric warpgroups)"
   KDTREE_SPLIT_KERNEL=pingpong python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_SPLIT_KERNEL=skinny (sm_90a, 16-row items, for every call)"
+  KDTREE_SPLIT_KERNEL=skinny python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_SKINNY=0 (small calls on the dual kernel)"
+  KDTREE_SKINNY=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

@@ -166,6 +166,9 @@ attempt("pack", v.pack_tree_mask, custom_mask=args["q_nope"], mask_indptr=args["
         qo_indptr=args["qo_indptr"], qo_indptr_dtype=0, kv_indptr=args["kv_indptr"], batch_size=1,
         num_tokens=1, out=args["out"], out_words=1, stream=0)
 attempt("split_kernel", v.split_kernel)
+attempt("call_kernel", v.split_kernel, 1, 1, 16)
+attempt("call_kernel_bad_batch", v.split_kernel, 0, 1, 16)
+attempt("call_kernel_partial", v.split_kernel, 1)
 print(json.dumps(out))
 """
 
@@ -185,4 +188,8 @@ def test_without_a_gpu_calls_raise_kdtree_error():
     assert result["launch_null"][0] == "KdtreeError" and result["launch_null"][1] in (null_pointer, no_device), result
     assert result["pack"][:2] == ["KdtreeError", no_device], result
     assert result["split_kernel"][:2] == ["KdtreeError", no_device], result
+    assert result["call_kernel"][:2] == ["KdtreeError", no_device], result
+    # the sizes are checked before the device is looked at, as kdtree_verify_launch checks them
+    assert result["call_kernel_bad_batch"][:2] == ["KdtreeError", _header_status_codes()["KDTREE_ERR_BATCH"]], result
+    assert result["call_kernel_partial"][0] == "ValueError" and "together" in result["call_kernel_partial"][1], result
     assert _verify.status_string(no_device) in result["launch"][2]

@@ -299,6 +299,8 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "wgmma-pingpong"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "wgmma":
         assert got == "wgmma"
+    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "skinny":
+        assert got == "wgmma-skinny"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") != "mma":
         assert got == "wgmma-dual", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
     elif cc == (9, 0):
@@ -307,3 +309,13 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "mma.sync-2stage"   # 99 KB of shared memory per block
     else:
         assert got.startswith("mma.sync")
+    # per call: where the device runs the dual kernel, calls whose requests cannot exceed 16 rows
+    # (H * (T - B + 1) <= 16) run the skinny kernel unless KDTREE_SKINNY=0
+    ext = _ext.load()
+    small = [(1, 1, 16), (2, 2, 16), (1, 2, 8), (1, 16, 1), (3, 5, 4)]
+    large = [(1, 9, 16), (1, 1, 17), (1, 2, 16), (2, 3, 16), (1, 1, 128)]
+    skinny = got == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0"
+    for b, t, h in small:
+        assert ext.split_kernel(b, t, h) == ("wgmma-skinny" if skinny else got), (b, t, h)
+    for b, t, h in large:
+        assert ext.split_kernel(b, t, h) == got, (b, t, h)

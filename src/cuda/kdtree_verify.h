@@ -124,20 +124,28 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
 /* Validate, plan the split on the GPU (unless params->reuse_plan), run the split-K pass and the combine
  * on `stream`. Returns KDTREE_OK or an error status; nothing is launched when validation fails.
  * Every call leaves the plan in the workspace ready for reuse (the combine resets its work counter).
- * The split pass that runs (see kdtree_verify_split_kernel) is the dual-score wgmma kernel on compute
- * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where
- * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Read once per device:
- * KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage (sm_120)
- * pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma
- * or =pingpong select the other sm_90a kernels (one score warpgroup, verify_wgmma.cuh; two symmetric
- * warpgroups, verify_pingpong.cuh). */
+ * The split pass that runs (see kdtree_verify_call_kernel) is the dual-score wgmma kernel on compute
+ * capability 9.0 when the build carries sm_90a code (the skinny kernel there for calls of <= 16-row
+ * requests), else the mma.sync kernel: 3 key stages where a block may take that much shared memory,
+ * 2 elsewhere (sm_120's 99 KB). Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync
+ * kernel, KDTREE_SPLIT_STAGES=2 its 2-stage (sm_120) pipeline, so that code path can be measured and
+ * tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma, =pingpong or =skinny select the other sm_90a
+ * kernels for every call (one score warpgroup, verify_wgmma.cuh; two symmetric warpgroups,
+ * verify_pingpong.cuh; 16-row items, verify_skinny.cuh); KDTREE_SKINNY=0 keeps small calls on the dual. */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
 /* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 92 (sm_90a
  * wgmma, two score warpgroups), 90 (sm_90a wgmma, one score warpgroup), 91 (sm_90a wgmma, ping-pong
- * warpgroups), 3 or 2 (mma.sync with that many key stages).
+ * warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 3 or 2 (mma.sync with that
+ * many key stages).
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
+
+/* The split kernel a call of this batch size, token count and head count runs on the current device:
+ * the device's (above), except that where it is 92 a call whose requests cannot exceed 16 rows
+ * (num_heads * (num_tokens - batch_size + 1) <= 16) runs 93, the skinny kernel (KDTREE_SKINNY=0: never).
+ * Returns KDTREE_OK or an error status (an invalid size as kdtree_verify_launch reports it). */
+int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel);
 
 /* Build the compact tree mask from SGLang's flat custom_mask on `stream` (no host sync):
  *   custom_mask   [>= mask_indptr[B]] bytes (bool or uint8), request b's N_b x (P_b + N_b)

@@ -12,6 +12,7 @@
 #include "verify_kernel.cuh"
 #include "verify_pingpong.cuh"
 #include "verify_dual.cuh"
+#include "verify_skinny.cuh"
 
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
@@ -63,7 +64,11 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200;
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh).
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92 };
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93 };
+// kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) runs, where the device runs kDual, the calls whose
+// requests cannot have more than 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference) and
+// KDTREE_SPLIT_KERNEL=skinny makes it the device's kernel for every call (correct for any rows: to test it).
+constexpr int kSkinnyRows = kdtree::sk::kRows;
 // the wgmma kernels' work items (64-row tiles, 32-key tiles)
 bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong || kernel == kDual; }
 
@@ -81,6 +86,8 @@ SplitLaunch split_launch(int kernel) {
     return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes};
   if (kernel == kDual)
     return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes};
+  if (kernel == kSkinny)
+    return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes};
   if (kernel == kMma2)
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>)};
   return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
@@ -97,6 +104,7 @@ struct DeviceInfo {
   int sms;
   int kernel;   // SplitKernel
   bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
+  bool skinny;  // kernel == kDual and the skinny kernel is configured: calls of <= 16-row requests take it
 };
 
 bool env_is(const char* name, const char* value) {
@@ -125,6 +133,7 @@ DeviceInfo device_info(int dev, int* status) {
       if (env_is("KDTREE_SPLIT_KERNEL", "mma")) kernel = kMma3;
       if (env_is("KDTREE_SPLIT_KERNEL", "wgmma")) kernel = kWgmma;
       if (env_is("KDTREE_SPLIT_KERNEL", "pingpong")) kernel = kPingPong;
+      if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = kSkinny;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
@@ -138,12 +147,29 @@ DeviceInfo device_info(int dev, int* status) {
     }
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return {}; }
+    bool skinny = false;
+#ifdef KDTREE_HAVE_SM90A
+    if (kernel == kDual && !env_is("KDTREE_SKINNY", "0")) {
+      int sblocks = 0;
+      e = configure(split_launch(kSkinny), &sblocks);
+      if (e != cudaSuccess) cudaGetLastError();   // not fatal: the dual kernel serves every call
+      skinny = e == cudaSuccess && sblocks >= 1;
+    }
+#endif
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
-    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0")};
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), skinny};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
   return info[dev];
+}
+
+// The split kernel of a call: the device's, or the skinny one where no request can have more than 16 rows. The
+// host knows only T, B and H: a request has at most T - B + 1 tokens when each has one (SGLang's verify batches;
+// exact for B = 1). Either kernel is correct for any batch; the bound only picks the faster.
+int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
+  const long long rows_bound = (long long)heads * std::max(1, num_tokens - batch + 1);
+  return dev.kernel == kDual && dev.skinny && rows_bound <= kSkinnyRows ? kSkinny : dev.kernel;
 }
 
 DeviceInfo current_device(int* status) {
@@ -237,6 +263,17 @@ int kdtree_verify_split_kernel(int* kernel) {
   return status;
 }
 
+int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel) {
+  if (!kernel) return KDTREE_ERR_NULL_POINTER;
+  if (batch_size < 1) return KDTREE_ERR_BATCH;
+  if (num_tokens < 1) return KDTREE_ERR_NUM_TOKENS;
+  if (num_heads < 1 || num_heads > KDTREE_MAX_HEADS) return KDTREE_ERR_NUM_HEADS;
+  int status = KDTREE_OK;
+  const DeviceInfo dev = current_device(&status);
+  if (status == KDTREE_OK) *kernel = call_kernel(dev, batch_size, num_tokens, num_heads);
+  return status;
+}
+
 int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   if (!p) return KDTREE_ERR_NULL_POINTER;
   int status = validate(p);
@@ -275,8 +312,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  prm.block_m = is_wgmma(dev.kernel) ? kdtree::wg::kItemRows : kdtree::kBlockM;
-  prm.tile_n = is_wgmma(dev.kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
+  const int kernel = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
+  prm.block_m = kernel == kSkinny ? kdtree::sk::kRows : is_wgmma(kernel) ? kdtree::wg::kItemRows : kdtree::kBlockM;
+  prm.tile_n = kernel == kSkinny ? kdtree::sk::kTileN : is_wgmma(kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
@@ -288,7 +326,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const bool pdl = dev.pdl;
   if (!p->reuse_plan)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
-  const SplitLaunch split = split_launch(dev.kernel);
+  const SplitLaunch split = split_launch(kernel);
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the

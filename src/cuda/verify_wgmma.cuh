@@ -175,12 +175,14 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_bt(float* d, uint64_t desc_a
       : "l"(desc_a), "l"(desc_b));
 }
 
-// q of a work item into shared memory by asynchronous copies (all in flight at once): 64 rows x 72
-// chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs), zeros for padding rows, thread
-// `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
+// q of a work item into shared memory by asynchronous copies (all in flight at once): Rows rows (64, or the
+// skinny kernel's 16) x 72 chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs of Rows x 128 B),
+// zeros for padding rows, thread `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
+template <int Rows = kItemRows>
 __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx& cx, int H, unsigned char* q, int tid,
                                                int nthreads) {
-  for (int i = tid; i < kItemRows * kChunksPerKey; i += nthreads) {
+  constexpr int kRowsSlabBytes = Rows * 128;
+  for (int i = tid; i < Rows * kChunksPerKey; i += nthreads) {
     const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
     const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
     if (r < cx.rows) {
@@ -190,31 +192,34 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
       src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
                          : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
     }
-    cp_async_16z(smem_u32(&q[(ch >> 3) * kQSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
+    cp_async_16z(smem_u32(&q[(ch >> 3) * kRowsSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
                  r < cx.rows ? 16 : 0);
   }
 }
 
-// Chunk cc (0..7) of each of the 9 slabs of key kt of tile t into the key buffer at shared address
-// `kv`, in the 128-byte swizzled layout (zero-fill past the split end).
+// Chunk cc (0..7) of each of the 9 slabs of key kt of tile t (TileN keys: 32, or the skinny kernel's 64) into the
+// key buffer at shared address `kv`, in the 128-byte swizzled layout, [slab][key][128 B] (zero-fill past the split
+// end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key.
+template <int TileN = kTileN>
 __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, const ItemCtx& cx, int t, int kt, int cc,
                                                 long long slot) {
-  const int key = cx.k0 + t * kTileN + kt;
+  const int key = cx.k0 + t * TileN + kt;
   const bool valid = key < cx.k1;
   const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
   const uint32_t dst = kv + kt * 128 + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
   for (int slab = 0; slab < kSlabs; ++slab)
-    cp_async_16z(dst + slab * kSlabBytes, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
+    cp_async_16z(dst + slab * (TileN * 128), src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
 }
 // The tile announces itself: a thread follows its copies with this, which arrives on the tile's
 // mbarrier once they have landed, so no thread waits for its own copies.
 __device__ __forceinline__ void arrive_when_landed(unsigned long long* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
-// Slot id of key kt of tile t (0 past the tiles, the split or the prefix: those copy no pool row).
+// Slot id of key kt of tile t of TileN keys (0 past the tiles, the split or the prefix: those copy no pool row).
+template <int TileN = kTileN>
 __device__ __forceinline__ long long tile_key_slot(const Params& prm, const ItemCtx& cx, int t, int kt) {
-  const int key = cx.k0 + t * kTileN + kt;
+  const int key = cx.k0 + t * TileN + kt;
   return t < cx.ntiles && key < cx.k1 && key < cx.rp.p
              ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)cx.rp.kv_begin + key)
              : 0;

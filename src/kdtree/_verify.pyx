@@ -67,6 +67,7 @@ cdef extern from "kdtree_verify.h" nogil:
     const char* kdtree_status_string(int status)
     const char* kdtree_compiled_archs()
     int kdtree_verify_split_kernel(int* kernel)
+    int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel)
 
 
 HEAD_DIM_NOPE = KDTREE_HEAD_DIM_NOPE
@@ -89,14 +90,28 @@ def compiled_archs():
     return kdtree_compiled_archs().decode("ascii")
 
 
-def split_kernel():
-    """The split kernel that runs on the current device: ``"wgmma-dual"``, ``"wgmma"`` or ``"wgmma-pingpong"`` (sm_90a),
-    ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Raises KdtreeError when no device is usable."""
+_KERNEL_NAMES = {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 93: "wgmma-skinny", 3: "mma.sync-3stage",
+                 2: "mma.sync-2stage"}
+
+
+def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
+    """The split kernel that runs on the current device: ``"wgmma-dual"``, ``"wgmma"``, ``"wgmma-pingpong"`` or
+    ``"wgmma-skinny"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three sizes, the kernel a
+    call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device runs the dual
+    kernel and no request can exceed 16 rows). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
-    cdef int status = kdtree_verify_split_kernel(&kernel)
+    cdef int status
+    sizes = (batch_size, num_tokens, num_heads)
+    if all(v is None for v in sizes):
+        status = kdtree_verify_split_kernel(&kernel)
+    elif any(v is None for v in sizes):
+        raise ValueError("split_kernel: give batch_size, num_tokens and num_heads together, or none of them")
+    else:
+        status = kdtree_verify_call_kernel(_c_int(batch_size, "batch_size"), _c_int(num_tokens, "num_tokens"),
+                                           _c_int(num_heads, "num_heads"), &kernel)
     if status != 0:
         raise KdtreeError(status, "split_kernel")
-    return {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 3: "mma.sync-3stage", 2: "mma.sync-2stage"}.get(kernel, str(kernel))
+    return _KERNEL_NAMES.get(kernel, str(kernel))
 
 
 class KdtreeError(RuntimeError):
