@@ -126,7 +126,9 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * Every call leaves the plan in the workspace ready for reuse (the combine resets its work counter).
  * The split pass that runs (see kdtree_verify_split_kernel) is the dual-score wgmma kernel on compute
  * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where
- * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Read once per device:
+ * a block may take that much shared memory, 2 elsewhere (sm_120's 99 KB). The 2-stage kernel runs a call
+ * whose requests cannot have more than 32 rows (num_heads * (num_tokens - batch_size + 1) <= 32) as 32-row
+ * work items with two score warps per row block (KDTREE_MMA_HALVES=0 turns that off). Read once per device:
  * KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage (sm_120)
  * pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma
  * or =pingpong select the other sm_90a kernels (one score warpgroup, verify_wgmma.cuh; two symmetric

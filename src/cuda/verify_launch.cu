@@ -64,6 +64,9 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh).
 enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92 };
+// Not a device's kernel but a per-call choice where the device runs kMma2 (sm_120): the same pipeline with
+// 32-row items and two score warps per row block (MmaHalves), for calls whose requests have at most 32 rows.
+constexpr int kMma2Halves = 4;
 // the wgmma kernels' work items (64-row tiles, 32-key tiles)
 bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong || kernel == kDual; }
 
@@ -82,8 +85,11 @@ SplitLaunch split_launch(int kernel) {
   if (kernel == kDual)
     return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes};
   if (kernel == kMma2)
-    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>)};
-  return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
+    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>)};
+  if (kernel == kMma2Halves)
+    return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
+            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM>)};
+  return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
           sizeof(kdtree::SharedStorage<kdtree::kMaxStages>)};
 }
 
@@ -97,6 +103,7 @@ struct DeviceInfo {
   int sms;
   int kernel;   // SplitKernel
   bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
+  bool halves;  // kernel == kMma2 and its 32-row shape (kMma2Halves) is configured: calls of <= 32-row requests take it
 };
 
 bool env_is(const char* name, const char* value) {
@@ -138,8 +145,16 @@ DeviceInfo device_info(int dev, int* status) {
     }
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return {}; }
+    // the 32-row shape beside the 2-stage kernel (KDTREE_MMA_HALVES=0 turns it off, to measure the difference)
+    bool halves = false;
+    if (kernel == kMma2 && !env_is("KDTREE_MMA_HALVES", "0")) {
+      int hblocks = 0;
+      e = configure(split_launch(kMma2Halves), &hblocks);
+      if (e != cudaSuccess) cudaGetLastError();   // not fatal: the 48-row kernel serves every call
+      halves = e == cudaSuccess && hblocks >= 1;
+    }
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
-    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0")};
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), halves};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -275,8 +290,15 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  prm.block_m = is_wgmma(dev.kernel) ? kdtree::wg::kItemRows : kdtree::kBlockM;
-  prm.tile_n = is_wgmma(dev.kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
+  // The split kernel of this call: the device's, or on the 2-stage mma.sync path (sm_120) its 32-row shape when no
+  // request can have more than 32 rows. The host knows only T, B and H: a request has at most T - B + 1 tokens
+  // when each has one (SGLang's verify batches; exact for B = 1). Either kernel is correct for any batch.
+  int kernel = dev.kernel;
+  const long long rows_bound = (long long)p->num_heads * std::max(1, p->num_tokens - p->batch_size + 1);
+  if (kernel == kMma2 && dev.halves && rows_bound <= kdtree::MmaHalves::kBlockM) kernel = kMma2Halves;
+  prm.block_m = is_wgmma(kernel) ? kdtree::wg::kItemRows
+                                 : kernel == kMma2Halves ? kdtree::MmaHalves::kBlockM : kdtree::MmaWide::kBlockM;
+  prm.tile_n = is_wgmma(kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
@@ -288,7 +310,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const bool pdl = dev.pdl;
   if (!p->reuse_plan)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
-  const SplitLaunch split = split_launch(dev.kernel);
+  const SplitLaunch split = split_launch(kernel);
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
