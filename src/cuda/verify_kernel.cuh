@@ -102,9 +102,7 @@ constexpr int kBarBlock = 1;
 constexpr int kBarPFull = 2;                       // + buffer index (kMaxStages ids)
 constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value warps done reading P/alpha[b]
 constexpr int kBarValues = kBarPEmpty + kMaxStages;
-constexpr int kBarPair = kBarValues + 1;           // + row block: its two score warps (MmaShape KeyHalves 2)
-static_assert(kBarPair + MmaWide::kRowBlocks <= 16 && kBarPair + MmaHalves::kRowBlocks <= 16,
-              "16 hardware named barriers");
+static_assert(kBarValues < 16, "16 hardware named barriers");
 
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; P V takes two k16 steps per tile");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
@@ -127,8 +125,23 @@ struct ReqPlan {
   long long partial_row;  // first partial row (only when nsplit > 1)
 };
 
-template <int Stages, int BlockM = kBlockM>
-struct SharedStorage {
+// The exchange between the two score warps of a row block (MmaShape KeyHalves 2), on mbarriers: their row maxima
+// every tile in slot it % 2 (one mbarrier per row block, key half and slot, so that a warp can be at most one phase
+// ahead of the one waiting on it), and key half 1's row sums at the item's end. Empty (no storage: an empty base)
+// for the one-score-warp shapes. (The first version exchanged through a 64-thread named barrier; racecheck then
+// reported hazards on alpha across the P-full barrier, history 92.)
+template <int BlockM, int KeyHalves>
+struct PairExchange {};
+template <int BlockM>
+struct PairExchange<BlockM, 2> {
+  float mx[2][2][BlockM];                          // [slot][key half][row]: the tile's row maxima
+  float xl[BlockM];                                // key half 1's row sums at the item's end
+  unsigned long long mx_full[BlockM / 16][2][2];   // [row block][key half][slot]: maxima stored, 32 arrivals
+  unsigned long long xl_full[BlockM / 16];         // key half 1's sums stored, 32 arrivals
+};
+
+template <int Stages, int BlockM = kBlockM, int KeyHalves = 1>
+struct SharedStorage : PairExchange<BlockM, KeyHalves> {
   __nv_bfloat16 kv[Stages][kTileN][kKvPitch];       // 37,376 B per stage
   __nv_bfloat16 q_tail[BlockM][kQSmemPitch];        // 19,200 B (48 rows): query columns [384, 576)
   // P tiles, [buffer][row][32 keys], 16-byte chunks XOR-swizzled by (row / 2) % 4 (no padding
@@ -146,7 +159,7 @@ struct SharedStorage {
 // The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
 #ifndef KDTREE_EXP_TRACE
 static_assert(sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
-static_assert(sizeof(SharedStorage<2, MmaHalves::kBlockM>) <= 101376, "so must its 32-row shape");
+static_assert(sizeof(SharedStorage<2, MmaHalves::kBlockM, MmaHalves::kKeyHalves>) <= 101376, "so must its 32-row shape");
 #endif
 static_assert(sizeof(SharedStorage<kMaxStages>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
 
@@ -694,7 +707,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 #endif
   {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  SharedStorage<Stages, kBlockM>& sm = *reinterpret_cast<SharedStorage<Stages, kBlockM>*>(smem_raw);
+  using Smem = SharedStorage<Stages, kBlockM, kKeyHalves>;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -710,9 +724,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 
   if (tid == 0) {
     for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], 1);
+    if constexpr (kKeyHalves == 2) {
+      for (int r = 0; r < kRowBlocks; ++r) {
+        for (int h = 0; h < 2; ++h)
+          for (int slot = 0; slot < 2; ++slot) mbar_init(&sm.mx_full[r][h][slot], 32);
+        mbar_init(&sm.xl_full[r], 32);
+      }
+    }
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
+  uint32_t pair_bits = 0u;   // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full
 
   for (int k = 0;; ++k) {
 #ifdef KDTREE_EXP_TRACE
@@ -843,22 +865,23 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
           scale_mask_max<kGroups>(prm, cx, H, cx.k0 + it * kTileN + kh * (kTileN / kKeyHalves), wrow + g, c, acc,
                                   tmax);
           if constexpr (kKeyHalves == 2) {
-            // the pair's row maxima meet in row_m (key half 0) / row_l (key half 1), free until the item's end
+            // the pair's row maxima meet in slot it % 2: stored, released on this warp's mbarrier, the other's
+            // acquired (the other warp read this slot's previous value before its arrival one tile ago)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
               tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
             }
-            float* mine = kh ? sm.row_l : sm.row_m;
-            const float* other = kh ? sm.row_m : sm.row_l;
+            const int slot = it & 1;
             if (c == 0) {
-              mine[wrow + g] = tmax[0];
-              mine[wrow + g + 8] = tmax[1];
+              sm.mx[slot][kh][wrow + g] = tmax[0];
+              sm.mx[slot][kh][wrow + g + 8] = tmax[1];
             }
-            bar_sync(kBarPair + rb, 64);
-            tmax[0] = fmaxf(tmax[0], other[wrow + g]);
-            tmax[1] = fmaxf(tmax[1], other[wrow + g + 8]);
-            bar_sync(kBarPair + rb, 64);   // both read before either writes the next tile's
+            mbar_arrive(&sm.mx_full[rb][kh][slot]);
+            mbar_wait(&sm.mx_full[rb][1 - kh][slot], (pair_bits >> slot) & 1u);
+            pair_bits ^= 1u << slot;
+            tmax[0] = fmaxf(tmax[0], sm.mx[slot][1 - kh][wrow + g]);
+            tmax[1] = fmaxf(tmax[1], sm.mx[slot][1 - kh][wrow + g + 8]);
           }
           float alpha[2], m_use[2];
           softmax_advance(tmax, m_run, m_use, alpha);
@@ -876,17 +899,19 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
       }
       if constexpr (kKeyHalves == 2) {   // key half 1's row sums join half 0's (quad sums first)
         quad_sum_rows(l_run);
-        if (kh == 1 && c == 0) {
-          sm.row_l[wrow + g] = l_run[0];
-          sm.row_l[wrow + g + 8] = l_run[1];
-        }
-        bar_sync(kBarPair + rb, 64);
-        if (kh == 0) {   // one lane per quad carries the pair's sums (finish_rows sums the quad again)
-          const float o0 = sm.row_l[wrow + g], o1 = sm.row_l[wrow + g + 8];
+        if (kh == 1) {
+          if (c == 0) {
+            sm.xl[wrow + g] = l_run[0];
+            sm.xl[wrow + g + 8] = l_run[1];
+          }
+          mbar_arrive(&sm.xl_full[rb]);   // (xl is written again only after the item's closing __syncthreads)
+        } else {   // one lane per quad carries the pair's sums (finish_rows sums the quad again)
+          mbar_wait(&sm.xl_full[rb], (pair_bits >> 2) & 1u);
+          const float o0 = sm.xl[wrow + g], o1 = sm.xl[wrow + g + 8];
           l_run[0] = c == 0 ? l_run[0] + o0 : 0.f;
           l_run[1] = c == 0 ? l_run[1] + o1 : 0.f;
         }
-        bar_sync(kBarPair + rb, 64);   // read before finish_rows stores the row statistics
+        pair_bits ^= 4u;
       }
       if (kh == 0) {
         finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
