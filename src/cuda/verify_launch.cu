@@ -88,7 +88,7 @@ SplitLaunch split_launch(int kernel) {
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>)};
   if (kernel == kMma2Halves)
     return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
-            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM>)};
+            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>)};
   return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
           sizeof(kdtree::SharedStorage<kdtree::kMaxStages>)};
 }
