@@ -1,7 +1,7 @@
 """One kdtree call for compute-sanitizer: `small` (one split per request, B=2), `split` (split-K + combine) or
 `many` (24 requests, more work items than SMs: blocks run several items, some split, back to back); `reuse`:
 the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q); `n1`: the
-split case with one verify token (16-row items: most of an item's rows are padding).
+split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape).
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small

@@ -201,6 +201,36 @@ def test_programmatic_launch_on_and_off_agree():
     assert torch.equal(out.cpu(), plain), "KDTREE_PDL=0 and the default launch differ"
 
 
+def test_sm120_pipeline_takes_its_32_row_shape_for_small_requests():
+    """The 2-stage mma.sync pipeline (sm_120's, forced with KDTREE_SPLIT_STAGES=2) runs calls whose requests
+    have at most 32 rows (H x (T - B + 1) <= 32) on its 32-row shape, two score warps per row block; with
+    KDTREE_MMA_HALVES=0 on its 48-row kernel. Both must match the reference (child processes: the settings are
+    read once per process), and their results must differ somewhere, or the 32-row shape never ran."""
+    code = (
+        "import sys, torch, kdtree\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_kernel_gpu import _run, _check\n"
+        "from kdtree.synthetic import make_verify_batch\n"
+        "outs = []\n"
+        "for prefixes, heads, n in (([20000], 16, 1), ([3000, 0, 700], 8, 2), ([5000], 1, 16), ([40, 900], 32, 1)):\n"
+        "    out, args = _run(make_verify_batch(prefixes, heads, n, device='cuda', seed=43))\n"
+        "    _check(out, args)\n"
+        "    outs.append(out.cpu())\n"
+        "torch.save(outs, sys.argv[2])\n"
+    )
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for halves in ("1", "0"):
+            path = os.path.join(d, f"out{halves}.pt")
+            env = dict(os.environ, KDTREE_SPLIT_STAGES="2", KDTREE_MMA_HALVES=halves)
+            r = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), path],
+                               env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-2000:]
+            results[halves] = torch.load(path)
+    assert any(not torch.equal(a, b) for a, b in zip(results["1"], results["0"])), \
+        "the 32-row and 48-row shapes gave bit-identical results on every case: the 32-row shape did not run"
+
+
 def test_cuda_graph_capture_and_replay():
     batch = make_verify_batch([6000, 100], 16, 9, device="cuda", seed=13)
     args = batch.verify_args()
@@ -309,13 +339,18 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "mma.sync-2stage"   # 99 KB of shared memory per block
     else:
         assert got.startswith("mma.sync")
-    # per call: where the device runs the dual kernel, calls whose requests cannot exceed 16 rows
-    # (H * (T - B + 1) <= 16) run the skinny kernel unless KDTREE_SKINNY=0
+    # per call: calls whose requests cannot exceed 16 rows (H * (T - B + 1) <= 16) run the skinny kernel where the
+    # device runs the dual one (unless KDTREE_SKINNY=0), those of <= 32 rows the 32-row shape where it runs the
+    # 2-stage mma.sync kernel (unless KDTREE_MMA_HALVES=0)
     ext = _ext.load()
-    small = [(1, 1, 16), (2, 2, 16), (1, 2, 8), (1, 16, 1), (3, 5, 4)]
-    large = [(1, 9, 16), (1, 1, 17), (1, 2, 16), (2, 3, 16), (1, 1, 128)]
-    skinny = got == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0"
-    for b, t, h in small:
-        assert ext.split_kernel(b, t, h) == ("wgmma-skinny" if skinny else got), (b, t, h)
-    for b, t, h in large:
-        assert ext.split_kernel(b, t, h) == got, (b, t, h)
+    le16 = [(1, 1, 16), (2, 2, 16), (1, 2, 8), (1, 16, 1), (3, 5, 4)]
+    le32 = [(1, 2, 16), (2, 3, 16), (1, 1, 32), (4, 7, 8)]
+    large = [(1, 9, 16), (1, 1, 33), (2, 4, 16), (1, 1, 128)]
+    small16 = small32 = got
+    if got == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0":
+        small16 = "wgmma-skinny"
+    if got == "mma.sync-2stage" and os.environ.get("KDTREE_MMA_HALVES") != "0":
+        small16 = small32 = "mma.sync-2stage-32row"
+    for sizes, expect in [(le16, small16), (le32, small32), (large, got)]:
+        for b, t, h in sizes:
+            assert ext.split_kernel(b, t, h) == expect, (b, t, h)

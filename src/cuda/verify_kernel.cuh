@@ -37,17 +37,35 @@ namespace kdtree {
 constexpr int kDimNope = KDTREE_HEAD_DIM_NOPE;   // 512
 constexpr int kDimPe = KDTREE_HEAD_DIM_PE;       // 64
 constexpr int kDimQK = KDTREE_HEAD_DIM_QK;       // 576
-constexpr int kBlockM = 48;                      // query rows per work item
 constexpr int kTileN = 32;                       // keys per pipeline tile (4 n8 mma tiles, 2 k16 steps of P V)
 // Key buffers (template parameter Stages of the split kernel): tiles i+1 .. i+Stages-1 land while
 // tile i is computed. 2 fit sm_120's 99 KB; where a block may take more shared memory (sm_90:
 // 227 KB) the launcher picks 3, which hides one more tile of gather latency.
 constexpr int kMaxStages = 3;
-constexpr int kScoreWarps = kBlockM / 16;        // 3
 constexpr int kValueWarps = 8;
 constexpr int kValueCols = kDimNope / kValueWarps;  // 64 value columns per value warp
-constexpr int kWarps = kScoreWarps + kValueWarps;   // 11
-constexpr int kThreads = kWarps * 32;               // 352
+
+// The shape of a work item of the mma.sync kernel: BlockM query rows (BlockM / 16 row blocks of 16) and
+// KeyHalves score warps per row block (1: a score warp runs its row block's S over all 32 keys of a tile;
+// 2: two score warps take 16 keys each and exchange their row maxima every tile, halving the serial S chain).
+template <int BlockM, int KeyHalves>
+struct MmaShape {
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kRowBlocks = BlockM / 16;
+  static constexpr int kKeyHalves = KeyHalves;
+  static constexpr int kScoreWarps = kRowBlocks * KeyHalves;
+  static constexpr int kWarps = kScoreWarps + kValueWarps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kGroups = kTileN / 8 / KeyHalves;   // n8 key groups of a score warp's S
+  static_assert(BlockM % 16 == 0, "row tile is a whole number of m16 blocks");
+  static_assert(KeyHalves == 1 || KeyHalves == 2, "one or two score warps per row block");
+};
+// The default: 48-row items, 3 score warps + 8 value warps (352 threads, 168 registers a thread).
+using MmaWide = MmaShape<48, 1>;
+// Items of requests with at most 32 rows (H x N <= 32), 2-stage pipeline (sm_120): 32-row items, two score warps
+// per row block, 12 warps (PERF_LOG history 72: 10-12% faster than 32-row items with one score warp, N1 -9%).
+using MmaHalves = MmaShape<32, 2>;
+constexpr int kBlockM = MmaWide::kBlockM;        // the mma.sync kernel's largest item (workspace sizing)
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
 constexpr int kKeyBytes = kDimQK * 2;    // 1152: one bulk copy per key
 // Registers: 11 warps put 3 warps on three of the four SM sub-partitions, whose register files hold
@@ -86,7 +104,6 @@ constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value war
 constexpr int kBarValues = kBarPEmpty + kMaxStages;
 static_assert(kBarValues < 16, "16 hardware named barriers");
 
-static_assert(kBlockM % 16 == 0, "row tile is a whole number of m16 blocks");
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; P V takes two k16 steps per tile");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
 static_assert((kKvPitch * 2) % 16 == 0 && ((kKvPitch * 2) / 16) % 2 == 1,
@@ -108,16 +125,31 @@ struct ReqPlan {
   long long partial_row;  // first partial row (only when nsplit > 1)
 };
 
-template <int Stages>
-struct SharedStorage {
+// The exchange between the two score warps of a row block (MmaShape KeyHalves 2), on mbarriers: their row maxima
+// every tile in slot it % 2 (one mbarrier per row block, key half and slot, so that a warp can be at most one phase
+// ahead of the one waiting on it), and key half 1's row sums at the item's end. Empty (no storage: an empty base)
+// for the one-score-warp shapes. (The first version exchanged through a 64-thread named barrier; racecheck then
+// reported hazards on alpha across the P-full barrier, history 92.)
+template <int BlockM, int KeyHalves>
+struct PairExchange {};
+template <int BlockM>
+struct PairExchange<BlockM, 2> {
+  float mx[2][2][BlockM];                          // [slot][key half][row]: the tile's row maxima
+  float xl[BlockM];                                // key half 1's row sums at the item's end
+  unsigned long long mx_full[BlockM / 16][2][2];   // [row block][key half][slot]: maxima stored, 32 arrivals
+  unsigned long long xl_full[BlockM / 16];         // key half 1's sums stored, 32 arrivals
+};
+
+template <int Stages, int BlockM = kBlockM, int KeyHalves = 1>
+struct SharedStorage : PairExchange<BlockM, KeyHalves> {
   __nv_bfloat16 kv[Stages][kTileN][kKvPitch];       // 37,376 B per stage
-  __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];       // 19,200 B: query columns [384, 576)
+  __nv_bfloat16 q_tail[BlockM][kQSmemPitch];        // 19,200 B (48 rows): query columns [384, 576)
   // P tiles, [buffer][row][32 keys], 16-byte chunks XOR-swizzled by (row / 2) % 4 (no padding
   // needed: 8 rows of one logical chunk land in 8 distinct bank groups)
-  __nv_bfloat16 p[Stages][kBlockM][kTileN];         //  3,072 B per stage
-  float alpha[Stages][kBlockM];                     //    192 B per stage
-  float row_m[kBlockM];
-  float row_l[kBlockM];
+  __nv_bfloat16 p[Stages][BlockM][kTileN];          //  3,072 B per stage (48 rows)
+  float alpha[Stages][BlockM];                      //    192 B per stage (48 rows)
+  float row_m[BlockM];
+  float row_l[BlockM];
   unsigned long long full[Stages];                  // mbarriers: the keys of buffer b have landed
   int item;
 #ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock64 stamps of score warp 0 and value warp 0
@@ -127,6 +159,7 @@ struct SharedStorage {
 // The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
 #ifndef KDTREE_EXP_TRACE
 static_assert(sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
+static_assert(sizeof(SharedStorage<2, MmaHalves::kBlockM, MmaHalves::kKeyHalves>) <= 101376, "so must its 32-row shape");
 #endif
 static_assert(sizeof(SharedStorage<kMaxStages>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
 
@@ -516,19 +549,21 @@ __device__ __forceinline__ int row_token(const ItemCtx& cx, int r, int H) {
 // A thread's 16 scores of a 32-key tile, as either split kernel holds them: key group j (8 keys) x value e
 // (rows r0 / r0 + 8 for e < 2 / e >= 2, keys 2c / 2c + 1 of the group for even / odd e).
 __device__ __forceinline__ float& score_at(float (&v)[16], int j, int e) { return v[4 * j + e]; }
-__device__ __forceinline__ float& score_at(float (&v)[4][4], int j, int e) { return v[j][e]; }
+template <int G>
+__device__ __forceinline__ float& score_at(float (&v)[G][4], int j, int e) { return v[j][e]; }
 
 // Scale the tile's scores to log2 units, mask them, and take the maxima of the thread's two rows. A plain
 // tile (all prefix keys inside the split) needs no mask and takes the short path; otherwise the rows'
-// verify tokens are found once and each key tested against them.
-template <typename Scores>
+// verify tokens are found once and each key tested against them. Groups: the thread's n8 key groups (keys
+// key0 .. key0 + 8 Groups - 1).
+template <int Groups = kTileN / 8, typename Scores>
 __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx& cx, int H, int key0, int r0, int c,
                                                Scores& v, float (&tmax)[2]) {
   tmax[0] = tmax[1] = -INFINITY;
-  const bool plain = key0 + kTileN <= cx.k1 && key0 + kTileN <= cx.rp.p;
+  const bool plain = key0 + Groups * 8 <= cx.k1 && key0 + Groups * 8 <= cx.rp.p;
   if (plain) {
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j)
+    for (int j = 0; j < Groups; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& x = score_at(v, j, e);
@@ -538,7 +573,7 @@ __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx&
   } else {
     const int rn[2] = {row_token(cx, r0, H), row_token(cx, r0 + 8, H)};
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j)
+    for (int j = 0; j < Groups; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& x = score_at(v, j, e);
@@ -565,15 +600,15 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
   }
 }
 
-// The tile's P = 2^(score - m_use) for the thread's 16 scores, as bf16 pairs handed to sink(j, half, pair)
+// The tile's P = 2^(score - m_use) for the thread's 4 x Groups scores, as bf16 pairs handed to sink(j, half, pair)
 // (key group j, row r0 / r0 + 8 for half 0 / 1, keys 2c / 2c + 1), and the rows' running sums advanced:
 // l = alpha * l + this thread's part of the tile's row sums.
-template <typename Scores, typename Sink>
+template <int Groups = kTileN / 8, typename Scores, typename Sink>
 __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[2], const float (&alpha)[2],
                                                 float (&l_run)[2], Sink sink) {
   float psum[2] = {0.f, 0.f};
 #pragma unroll
-  for (int j = 0; j < kTileN / 8; ++j) {
+  for (int j = 0; j < Groups; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float p0 = fast_exp2(score_at(v, j, 2 * half) - m_use[half]);
@@ -639,9 +674,9 @@ __device__ __forceinline__ __nv_bfloat16* result_row(const Params& prm, const It
 // announces the tile's bytes; copies may complete before that: the phase needs the arrival too.
 constexpr int kKeysPerWarp = kTileN / kValueWarps;   // 4
 static_assert(kTileN % kValueWarps == 0, "keys of a tile split evenly over the value warps");
-template <int Stages>
-__device__ __forceinline__ void issue_tile(SharedStorage<Stages>& sm, const Params& prm, const ItemCtx& cx, int t, int b,
-                                           int vw, int lane, long long slot) {
+template <typename Smem>
+__device__ __forceinline__ void issue_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vw, int lane,
+                                           long long slot) {
   if (vw == 0 && lane == 0) mbar_arrive_expect_tx(&sm.full[b], kTileN * kKeyBytes);
   if (lane < kKeysPerWarp) {
     fence_proxy_async();   // earlier generic-proxy accesses of this buffer ordered before the async writes
@@ -660,8 +695,10 @@ __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN +
 #define KDTREE_TRACE(e) do { } while (0)
 #endif
 
-template <int Stages>
-__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params prm) {
+template <int Stages, typename Shape = MmaWide>
+__global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel(Params prm) {
+  constexpr int kBlockM = Shape::kBlockM, kRowBlocks = Shape::kRowBlocks, kKeyHalves = Shape::kKeyHalves;
+  constexpr int kScoreWarps = Shape::kScoreWarps, kThreads = Shape::kThreads, kGroups = Shape::kGroups;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
   // consumer Blackwell (99 KB per block): only the 2-stage kernel is ever launched there
   if constexpr (Stages > 2) {
@@ -670,7 +707,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 #endif
   {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  SharedStorage<Stages>& sm = *reinterpret_cast<SharedStorage<Stages>*>(smem_raw);
+  using Smem = SharedStorage<Stages, kBlockM, kKeyHalves>;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -686,9 +724,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 
   if (tid == 0) {
     for (int b = 0; b < Stages; ++b) mbar_init(&sm.full[b], 1);
+    if constexpr (kKeyHalves == 2) {
+      for (int r = 0; r < kRowBlocks; ++r) {
+        for (int h = 0; h < 2; ++h)
+          for (int slot = 0; slot < 2; ++slot) mbar_init(&sm.mx_full[r][h][slot], 32);
+        mbar_init(&sm.xl_full[r], 32);
+      }
+    }
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
+  uint32_t pair_bits = 0u;   // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full
 
   for (int k = 0;; ++k) {
 #ifdef KDTREE_EXP_TRACE
@@ -735,7 +781,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 
     if (warp < kScoreWarps) {
       // =========================== score warps ===========================
-      const int wrow = warp * 16;                     // first tile row of this warp
+      const int rb = kKeyHalves == 1 ? warp : warp % kRowBlocks;   // row block of this warp
+      const int kh = kKeyHalves == 1 ? 0 : warp / kRowBlocks;      // its key half
+      const int wrow = rb * 16;                       // first tile row of this warp
       const bool active = wrow < cx.rows;
       uint32_t qa[kQRegSteps][4];                     // q_nope columns [0, 384) as A fragments
       {
@@ -773,19 +821,22 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
         if (warp == 0) KDTREE_TRACE(1);
         if (active) {
-          float acc[4][4] = {};   // four n8 key tiles: four independent mma chains
+          float acc[kGroups][4] = {};   // this warp's n8 key tiles: independent mma chains
 #ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
-          // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8
-          const __nv_bfloat16* kbase = &sm.kv[b][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
+          // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8 (of this warp's keys)
+          const __nv_bfloat16* kbase =
+              &sm.kv[b][kh * (kTileN / kKeyHalves) + ((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
           for (int ks = 0; ks < kQRegSteps; ++ks) {
             uint32_t b0[4], b1[4];
             ldmatrix_x4(b0, kbase + ks * 16);
-            ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
+            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
             mma_bf16(acc[0], qa[ks], b0[0], b0[1]);
             mma_bf16(acc[1], qa[ks], b0[2], b0[3]);
-            mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
-            mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
+            if constexpr (kGroups == 4) {
+              mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
+              mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
+            }
           }
           const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
 #pragma unroll
@@ -793,30 +844,52 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             uint32_t a[4], b0[4], b1[4];
             ldmatrix_x4(a, qtbase + ks * 16);
             ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
-            ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
+            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
             mma_bf16(acc[0], a, b0[0], b0[1]);
             mma_bf16(acc[1], a, b0[2], b0[3]);
-            mma_bf16(acc[2], a, b1[0], b1[1]);
-            mma_bf16(acc[3], a, b1[2], b1[3]);
+            if constexpr (kGroups == 4) {
+              mma_bf16(acc[2], a, b1[0], b1[1]);
+              mma_bf16(acc[3], a, b1[2], b1[3]);
+            }
           }
 #endif
 
 #ifdef KDTREE_EXP_TRACE
           if (warp == 0) {   // stamp once the score product has landed in the accumulators
-            if (acc[0][0] == 12345.f && acc[3][3] == 12345.f) sm.row_m[0] = 0.f;
+            if (acc[0][0] == 12345.f && acc[kGroups - 1][3] == 12345.f) sm.row_m[0] = 0.f;
             KDTREE_TRACE(2);
           }
 #endif
           // ---- scale, mask, online softmax ----
           float tmax[2];
-          scale_mask_max(prm, cx, H, cx.k0 + it * kTileN, wrow + g, c, acc, tmax);
+          scale_mask_max<kGroups>(prm, cx, H, cx.k0 + it * kTileN + kh * (kTileN / kKeyHalves), wrow + g, c, acc,
+                                  tmax);
+          if constexpr (kKeyHalves == 2) {
+            // the pair's row maxima meet in slot it % 2: stored, released on this warp's mbarrier, the other's
+            // acquired (the other warp read this slot's previous value before its arrival one tile ago)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+              tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+            }
+            const int slot = it & 1;
+            if (c == 0) {
+              sm.mx[slot][kh][wrow + g] = tmax[0];
+              sm.mx[slot][kh][wrow + g + 8] = tmax[1];
+            }
+            mbar_arrive(&sm.mx_full[rb][kh][slot]);
+            mbar_wait(&sm.mx_full[rb][1 - kh][slot], (pair_bits >> slot) & 1u);
+            pair_bits ^= 1u << slot;
+            tmax[0] = fmaxf(tmax[0], sm.mx[slot][1 - kh][wrow + g]);
+            tmax[1] = fmaxf(tmax[1], sm.mx[slot][1 - kh][wrow + g + 8]);
+          }
           float alpha[2], m_use[2];
           softmax_advance(tmax, m_run, m_use, alpha);
-          softmax_p_pairs(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
+          softmax_p_pairs<kGroups>(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
             const int row = wrow + g + half * 8;
-            *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, nt) + 2 * c) = pair;
+            *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, kh * kGroups + nt) + 2 * c) = pair;
           });
-          if (c == 0) {
+          if (c == 0 && kh == 0) {   // both warps of a pair hold the same alpha
             sm.alpha[b][wrow + g] = alpha[0];
             sm.alpha[b][wrow + g + 8] = alpha[1];
           }
@@ -824,13 +897,33 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
         if (warp == 0) KDTREE_TRACE(3);
       }
-      finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
-                  [] { bar_sync(kBarBlock, kThreads); });   // pairs with the value warps' epilogue barrier
+      if constexpr (kKeyHalves == 2) {   // key half 1's row sums join half 0's (quad sums first)
+        quad_sum_rows(l_run);
+        if (kh == 1) {
+          if (c == 0) {
+            sm.xl[wrow + g] = l_run[0];
+            sm.xl[wrow + g + 8] = l_run[1];
+          }
+          mbar_arrive(&sm.xl_full[rb]);   // (xl is written again only after the item's closing __syncthreads)
+        } else {   // one lane per quad carries the pair's sums (finish_rows sums the quad again)
+          mbar_wait(&sm.xl_full[rb], (pair_bits >> 2) & 1u);
+          const float o0 = sm.xl[wrow + g], o1 = sm.xl[wrow + g + 8];
+          l_run[0] = c == 0 ? l_run[0] + o0 : 0.f;
+          l_run[1] = c == 0 ? l_run[1] + o1 : 0.f;
+        }
+        pair_bits ^= 4u;
+      }
+      if (kh == 0) {
+        finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
+                    [] { bar_sync(kBarBlock, kThreads); });   // pairs with the value warps' epilogue barrier
+      } else {
+        bar_sync(kBarBlock, kThreads);
+      }
     } else {
       // =========================== value warps ===========================
       const int col0 = vw * kValueCols;
       const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
-      float o[kScoreWarps][kValueCols / 8][4] = {};
+      float o[kRowBlocks][kValueCols / 8][4] = {};
 
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % Stages;
@@ -838,7 +931,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
         mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
         if (vw == 0) KDTREE_TRACE(4);
 #pragma unroll
-        for (int rb = 0; rb < kScoreWarps; ++rb) {
+        for (int rb = 0; rb < kRowBlocks; ++rb) {
           const float a0 = sm.alpha[b][rb * 16 + g];
           const float a1 = sm.alpha[b][rb * 16 + g + 8];
           // once the running maxima settle, alpha is exactly 1 for whole row blocks: skip 32 FMULs
@@ -855,9 +948,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
 #ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
 #pragma unroll
         for (int kk = 0; kk < kTileN / 16; ++kk) {
-          uint32_t pa[kScoreWarps][4];
+          uint32_t pa[kRowBlocks][4];
 #pragma unroll
-          for (int rb = 0; rb < kScoreWarps; ++rb) {
+          for (int rb = 0; rb < kRowBlocks; ++rb) {
             const int row = rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
             if (rb < rblocks) ldmatrix_x4(pa[rb], &sm.p[b][0][0] + p_off(row, 2 * kk + (lane >> 4)));
           }
@@ -869,7 +962,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
             uint32_t vb[4];
             ldmatrix_x4_trans(vb, vbase + np * 16);
 #pragma unroll
-            for (int rb = 0; rb < kScoreWarps; ++rb) {
+            for (int rb = 0; rb < kRowBlocks; ++rb) {
               if (rb < rblocks) {
                 mma_bf16(o[rb][2 * np], pa[rb], vb[0], vb[1]);
                 mma_bf16(o[rb][2 * np + 1], pa[rb], vb[2], vb[3]);
@@ -898,7 +991,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_kernel(Params
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
 #pragma unroll
-      for (int rb = 0; rb < kScoreWarps; ++rb) {
+      for (int rb = 0; rb < kRowBlocks; ++rb) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = rb * 16 + g + half * 8;

@@ -65,10 +65,13 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh).
 enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93 };
-// kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) runs, where the device runs kDual, the calls whose
-// requests cannot have more than 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference) and
-// KDTREE_SPLIT_KERNEL=skinny makes it the device's kernel for every call (correct for any rows: to test it).
-constexpr int kSkinnyRows = kdtree::sk::kRows;
+// Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
+// - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
+//   at most 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference), KDTREE_SPLIT_KERNEL=skinny makes
+//   it the device's kernel for every call (correct for any rows: to test it);
+// - kMma2Halves where the device runs kMma2 (sm_120): the same pipeline with 32-row items and two score warps per
+//   row block (MmaHalves), for requests of at most 32 rows; KDTREE_MMA_HALVES=0 turns that off.
+constexpr int kMma2Halves = 4;
 // the wgmma kernels' work items (64-row tiles, 32-key tiles)
 bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong || kernel == kDual; }
 
@@ -89,8 +92,11 @@ SplitLaunch split_launch(int kernel) {
   if (kernel == kSkinny)
     return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes};
   if (kernel == kMma2)
-    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::kThreads, sizeof(kdtree::SharedStorage<2>)};
-  return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::kThreads,
+    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>)};
+  if (kernel == kMma2Halves)
+    return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
+            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>)};
+  return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
           sizeof(kdtree::SharedStorage<kdtree::kMaxStages>)};
 }
 
@@ -104,7 +110,8 @@ struct DeviceInfo {
   int sms;
   int kernel;   // SplitKernel
   bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
-  bool skinny;  // kernel == kDual and the skinny kernel is configured: calls of <= 16-row requests take it
+  int small_kernel;  // the kernel of calls whose requests cannot exceed small_rows rows (kSkinny, kMma2Halves), or 0
+  int small_rows;
 };
 
 bool env_is(const char* name, const char* value) {
@@ -147,29 +154,38 @@ DeviceInfo device_info(int dev, int* status) {
     }
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     if (blocks < 1) { *status = KDTREE_ERR_RESOURCES; return {}; }
-    bool skinny = false;
+    // the small-call kernel beside the device's (not fatal when it cannot be configured: the device's serves every call)
+    int small_kernel = 0, small_rows = 0;
 #ifdef KDTREE_HAVE_SM90A
     if (kernel == kDual && !env_is("KDTREE_SKINNY", "0")) {
-      int sblocks = 0;
-      e = configure(split_launch(kSkinny), &sblocks);
-      if (e != cudaSuccess) cudaGetLastError();   // not fatal: the dual kernel serves every call
-      skinny = e == cudaSuccess && sblocks >= 1;
+      small_kernel = kSkinny;
+      small_rows = kdtree::sk::kRows;
     }
 #endif
+    if (kernel == kMma2 && !env_is("KDTREE_MMA_HALVES", "0")) {
+      small_kernel = kMma2Halves;
+      small_rows = kdtree::MmaHalves::kBlockM;
+    }
+    if (small_kernel) {
+      int sblocks = 0;
+      e = configure(split_launch(small_kernel), &sblocks);
+      if (e != cudaSuccess) cudaGetLastError();
+      if (e != cudaSuccess || sblocks < 1) small_kernel = small_rows = 0;
+    }
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
-    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), skinny};
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
   return info[dev];
 }
 
-// The split kernel of a call: the device's, or the skinny one where no request can have more than 16 rows. The
-// host knows only T, B and H: a request has at most T - B + 1 tokens when each has one (SGLang's verify batches;
-// exact for B = 1). Either kernel is correct for any batch; the bound only picks the faster.
+// The split kernel of a call: the device's, or its small-call kernel where no request can have more than
+// small_rows rows. The host knows only T, B and H: a request has at most T - B + 1 tokens when each has one
+// (SGLang's verify batches; exact for B = 1). Either kernel is correct for any batch; the bound only picks the faster.
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
   const long long rows_bound = (long long)heads * std::max(1, num_tokens - batch + 1);
-  return dev.kernel == kDual && dev.skinny && rows_bound <= kSkinnyRows ? kSkinny : dev.kernel;
+  return dev.small_kernel && rows_bound <= dev.small_rows ? dev.small_kernel : dev.kernel;
 }
 
 DeviceInfo current_device(int* status) {
@@ -313,7 +329,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
   const int kernel = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
-  prm.block_m = kernel == kSkinny ? kdtree::sk::kRows : is_wgmma(kernel) ? kdtree::wg::kItemRows : kdtree::kBlockM;
+  prm.block_m = kernel == kSkinny ? kdtree::sk::kRows
+                : is_wgmma(kernel) ? kdtree::wg::kItemRows
+                : kernel == kMma2Halves ? kdtree::MmaHalves::kBlockM : kdtree::MmaWide::kBlockM;
   prm.tile_n = kernel == kSkinny ? kdtree::sk::kTileN : is_wgmma(kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
