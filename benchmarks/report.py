@@ -14,6 +14,7 @@ import json
 def table(d, other=None, other_label="2-stage (sm_120 path) us"):
     env = d["env"]
     alt = {r["name"]: r for r in (other["results"] if other else [])}
+    per_call = any("split_kernel" in r for r in d["results"])   # the kernel each call ran (bench.py since session 12)
     lines = [
         f"Device: {env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"triton {env['triton']}, sglang {env['sglang']}, kdtree {env['kdtree']}, {env['date']}"
@@ -21,8 +22,8 @@ def table(d, other=None, other_label="2-stage (sm_120 path) us"):
         "",
         "| shape | kdtree us (eager) | kdtree us (graph) | KV GB/s | TFLOP/s | floor us | % of floor "
         "| SGLang Triton us | speed-up | rel. diff vs SGLang | graph, mask reused (per layer) us |"
-        + (f" {other_label} |" if alt else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if alt else ""),
+        + (" split kernel |" if per_call else "") + (f" {other_label} |" if alt else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if per_call else "") + ("---|" if alt else ""),
     ]
     for r in d["results"]:
         t = r["kdtree_graph_us"]
@@ -30,6 +31,8 @@ def table(d, other=None, other_label="2-stage (sm_120 path) us"):
                f"{r['flops'] / t / 1e6:.1f} | {r['floor_us']:.1f} | {100 * r['floor_us'] / t:.1f} | "
                f"{r.get('sglang_us', float('nan')):.0f} | {r.get('sglang_us', float('nan')) / t:.1f} | "
                f"{r.get('rel_err_vs_sglang', float('nan')):.1e} | {r.get('kdtree_layer_graph_us', float('nan')):.1f} |")
+        if per_call:
+            row += f" {r.get('split_kernel', '')} |"
         if alt:
             a = alt.get(r["name"])
             row += f" {a['kdtree_graph_us']:.1f} |" if a else " |"
