@@ -149,21 +149,36 @@ def test_gpu_mask_pack_matches_cpu():
     assert torch.equal(gpu.cpu(), cpu)
 
 
-def test_deterministic_and_batch_invariant():
-    solo = make_verify_batch([20000], 16, 9, device="cuda", seed=9)
+def _solo_and_in_a_batch(heads, n, seed):
+    """One request (20,000-token prefix) alone, and the same request second in a batch of three with the same
+    token count: its rows from both calls, and the solo call's arguments."""
+    solo = make_verify_batch([20000], heads, n, device="cuda", seed=seed)
     out1, args = _run(solo)
-    out2 = kdtree.verify_attention(**args)
-    assert torch.equal(out1, out2), "two runs on the same inputs differ"
-    # the same request inside a batch (other requests around it) gives bit-identical rows
-    big = make_verify_batch([500, 20000, 3000], 16, 9, device="cuda", seed=9)
+    big = make_verify_batch([500, 20000, 3000], heads, n, device="cuda", seed=seed)
     big_args = big.verify_args()
     lo, hi = int(big.kv_indptr[1]), int(big.kv_indptr[2])
     big.kv_buffer[big.kv_indices[lo:hi]] = solo.kv_buffer[solo.kv_indices]
-    big.q[9:18] = solo.q
-    big.k[9:18] = solo.k
-    big_args["tree_mask"][9:18] = args["tree_mask"]
+    big.q[n:2 * n] = solo.q
+    big.k[n:2 * n] = solo.k
+    big_args["tree_mask"][n:2 * n] = args["tree_mask"]
     out_b = kdtree.verify_attention(**big_args)
-    assert torch.equal(out_b[9:18], out1), "a request's result depends on its batch mates"
+    return out1, out_b[n:2 * n], args
+
+
+def test_deterministic_and_batch_invariant():
+    out1, batched, args = _solo_and_in_a_batch(16, 9, seed=9)
+    out2 = kdtree.verify_attention(**args)
+    assert torch.equal(out1, out2), "two runs on the same inputs differ"
+    # the same request inside a batch (other requests around it) gives bit-identical rows
+    assert torch.equal(batched, out1), "a request's result depends on its batch mates"
+
+
+def test_small_row_requests_are_batch_invariant():
+    """Requests of <= 16 rows run the small-call kernel (skinny on sm_90a, the 32-row shape on the 2-stage path)
+    alone and inside a batch of requests with the same token count: bit-identical rows either way."""
+    for heads, n in ((8, 2), (16, 1)):
+        out1, batched, _ = _solo_and_in_a_batch(heads, n, seed=21)
+        assert torch.equal(batched, out1), f"H{heads} N{n}: a request's result depends on its batch mates"
 
 
 def test_non_default_stream():
@@ -202,8 +217,8 @@ def test_programmatic_launch_on_and_off_agree():
 
 
 def test_sm120_pipeline_takes_its_32_row_shape_for_small_requests():
-    """The 2-stage mma.sync pipeline (sm_120's, forced with KDTREE_SPLIT_STAGES=2) runs calls whose requests
-    have at most 32 rows (H x (T - B + 1) <= 32) on its 32-row shape, two score warps per row block; with
+    """The 2-stage mma.sync pipeline (sm_120's, forced with KDTREE_SPLIT_STAGES=2) runs calls of at most 32 rows
+    per request (H x T / B <= 32) on its 32-row shape, two score warps per row block; with
     KDTREE_MMA_HALVES=0 on its 48-row kernel. Both must match the reference (child processes: the settings are
     read once per process), and their results must differ somewhere, or the 32-row shape never ran."""
     code = (
@@ -339,13 +354,13 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "mma.sync-2stage"   # 99 KB of shared memory per block
     else:
         assert got.startswith("mma.sync")
-    # per call: calls whose requests cannot exceed 16 rows (H * (T - B + 1) <= 16) run the skinny kernel where the
-    # device runs the dual one (unless KDTREE_SKINNY=0), those of <= 32 rows the 32-row shape where it runs the
-    # 2-stage mma.sync kernel (unless KDTREE_MMA_HALVES=0)
+    # per call (B, T, H): calls of <= 16 rows per request (T a multiple of B, H * T / B <= 16) run the skinny kernel
+    # where the device runs the dual one (unless KDTREE_SKINNY=0), those of <= 32 the 32-row shape where it runs the
+    # 2-stage mma.sync kernel (unless KDTREE_MMA_HALVES=0); a T that is not a multiple of B, the device's kernel
     ext = _ext.load()
-    le16 = [(1, 1, 16), (2, 2, 16), (1, 2, 8), (1, 16, 1), (3, 5, 4)]
-    le32 = [(1, 2, 16), (2, 3, 16), (1, 1, 32), (4, 7, 8)]
-    large = [(1, 9, 16), (1, 1, 33), (2, 4, 16), (1, 1, 128)]
+    le16 = [(1, 1, 16), (2, 2, 16), (1, 2, 8), (1, 16, 1), (3, 6, 8), (5, 45, 1)]
+    le32 = [(1, 2, 16), (2, 4, 16), (1, 1, 32), (4, 16, 8)]
+    large = [(1, 9, 16), (1, 1, 33), (2, 6, 16), (1, 1, 128), (3, 5, 4), (2, 3, 1), (8, 72, 16)]
     small16 = small32 = got
     if got == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0":
         small16 = "wgmma-skinny"

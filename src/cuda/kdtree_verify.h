@@ -126,9 +126,9 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * Every call leaves the plan in the workspace ready for reuse (the combine resets its work counter).
  * The split pass that runs (see kdtree_verify_call_kernel) is the dual-score wgmma kernel on compute
  * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where a block
- * may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Calls whose requests cannot have many rows
- * (num_heads * (num_tokens - batch_size + 1) <= 16 beside the dual kernel, <= 32 beside the 2-stage one) run a
- * kernel shaped for them: the skinny kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and
+ * may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Calls whose requests have few rows
+ * (num_tokens a multiple of batch_size and num_heads * num_tokens / batch_size <= 16 beside the dual kernel,
+ * <= 32 beside the 2-stage one; see kdtree_verify_call_kernel) run a kernel shaped for them: the skinny kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and
  * the 2-stage kernel's 32-row items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off).
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
@@ -144,9 +144,12 @@ int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cud
 int kdtree_verify_split_kernel(int* kernel);
 
 /* The split kernel a call of this batch size, token count and head count runs on the current device:
- * the device's (above), except that where it is 92 a call whose requests cannot exceed 16 rows
- * (num_heads * (num_tokens - batch_size + 1) <= 16) runs 93, the skinny kernel (KDTREE_SKINNY=0: never), and
- * where it is 2 a call whose requests cannot exceed 32 rows runs 4, its 32-row shape (KDTREE_MMA_HALVES=0: never).
+ * the device's (above), except that where it is 92 a call of num_heads * num_tokens / batch_size <= 16 rows per
+ * request runs 93, the skinny kernel (KDTREE_SKINNY=0: never), and where it is 2 a call of <= 32 rows per request
+ * runs 4, its 32-row shape (KDTREE_MMA_HALVES=0: never); a call whose num_tokens is not a multiple of batch_size
+ * runs the device's kernel. The choice takes every request to have num_tokens / batch_size verify tokens (SGLang's
+ * verify batches), so a request's result is the same, bit for bit, alone and in any batch of requests with its
+ * token count; in a batch of mixed token counts it may differ at bf16 rounding from its result alone.
  * Returns KDTREE_OK or an error status (an invalid size as kdtree_verify_launch reports it). */
 int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel);
 

@@ -180,12 +180,18 @@ DeviceInfo device_info(int dev, int* status) {
   return info[dev];
 }
 
-// The split kernel of a call: the device's, or its small-call kernel where no request can have more than
-// small_rows rows. The host knows only T, B and H: a request has at most T - B + 1 tokens when each has one
-// (SGLang's verify batches; exact for B = 1). Either kernel is correct for any batch; the bound only picks the faster.
+// The split kernel of a call: the device's, or its small-call kernel where the call's requests have at most
+// small_rows rows. The host knows only T, B and H, so it takes every request to have T / B verify tokens, as in
+// SGLang's verify batches: then the choice is the same for a request alone and in any batch of requests with its
+// token count, and its result bit for bit (batch invariance). A call whose T is not a multiple of B runs the
+// device's kernel. Either kernel is correct for any batch; in a batch of mixed token counts whose T is a multiple
+// of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit).
+// (Session 12 first used the bound H x (T - B + 1), which moves with the batch size: H8 N2 alone ran the skinny
+// kernel and in a batch of three N2 requests the dual one.)
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
-  const long long rows_bound = (long long)heads * std::max(1, num_tokens - batch + 1);
-  return dev.small_kernel && rows_bound <= dev.small_rows ? dev.small_kernel : dev.kernel;
+  if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
+  const long long rows = (long long)heads * (num_tokens / batch);
+  return rows <= dev.small_rows ? dev.small_kernel : dev.kernel;
 }
 
 DeviceInfo current_device(int* status) {
