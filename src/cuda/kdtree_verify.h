@@ -128,8 +128,9 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where a block
  * may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Calls whose requests have few rows
  * (num_tokens a multiple of batch_size and num_heads * num_tokens / batch_size <= 16 beside the dual kernel,
- * <= 32 beside the 2-stage one; see kdtree_verify_call_kernel) run a kernel shaped for them: the skinny kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and
- * the 2-stage kernel's 32-row items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off).
+ * <= 32 beside the 2-stage one; see kdtree_verify_call_kernel) run a kernel shaped for them: the skinny
+ * kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and the 2-stage kernel's 32-row
+ * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off).
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
  * =pingpong or =skinny select the other sm_90a kernels for every call (one score warpgroup, verify_wgmma.cuh;
