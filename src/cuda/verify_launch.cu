@@ -72,32 +72,40 @@ enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92
 // - kMma2Halves where the device runs kMma2 (sm_120): the same pipeline with 32-row items and two score warps per
 //   row block (MmaHalves), for requests of at most 32 rows; KDTREE_MMA_HALVES=0 turns that off.
 constexpr int kMma2Halves = 4;
-// the wgmma kernels' work items (64-row tiles, 32-key tiles)
-bool is_wgmma(int kernel) { return kernel == kWgmma || kernel == kPingPong || kernel == kDual; }
 
-// A split kernel with its block size and dynamic shared memory: what both the one-time configuration
-// and every launch need.
+// A split kernel with its block size and dynamic shared memory (what both the one-time configuration and every
+// launch need), and the shape of its work items, which the plan cuts them to (Params::block_m, tile_n).
 struct SplitLaunch {
   void (*kernel)(kdtree::Params);
   int threads;
   size_t smem;
+  int block_m;   // rows per work item
+  int tile_n;    // keys per pipeline tile: splits are whole tiles
 };
 SplitLaunch split_launch(int kernel) {
+  using kdtree::kTileN;
+  constexpr int kWgRows = kdtree::wg::kItemRows, kWgTile = kdtree::wg::kTileN;   // the three wgmma kernels' items
   if (kernel == kWgmma)
-    return {kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes};
+    return {kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes, kWgRows,
+            kWgTile};
   if (kernel == kPingPong)
-    return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes};
+    return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes, kWgRows,
+            kWgTile};
   if (kernel == kDual)
-    return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes};
+    return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes, kWgRows,
+            kWgTile};
   if (kernel == kSkinny)
-    return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes};
+    return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
+            kdtree::sk::kRows, kdtree::sk::kTileN};
   if (kernel == kMma2)
-    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>)};
+    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
+            kdtree::MmaWide::kBlockM, kTileN};
   if (kernel == kMma2Halves)
     return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
-            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>)};
+            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
+            kdtree::MmaHalves::kBlockM, kTileN};
   return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
-          sizeof(kdtree::SharedStorage<kdtree::kMaxStages>)};
+          sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
 }
 
 // Opts the split kernel into its dynamic shared memory and reports how many of its blocks fit on one SM.
@@ -334,11 +342,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  const int kernel = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
-  prm.block_m = kernel == kSkinny ? kdtree::sk::kRows
-                : is_wgmma(kernel) ? kdtree::wg::kItemRows
-                : kernel == kMma2Halves ? kdtree::MmaHalves::kBlockM : kdtree::MmaWide::kBlockM;
-  prm.tile_n = kernel == kSkinny ? kdtree::sk::kTileN : is_wgmma(kernel) ? kdtree::wg::kTileN : kdtree::kTileN;
+  const SplitLaunch split = split_launch(call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads));
+  prm.block_m = split.block_m;
+  prm.tile_n = split.tile_n;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
@@ -350,7 +356,6 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const bool pdl = dev.pdl;
   if (!p->reuse_plan)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
-  const SplitLaunch split = split_launch(kernel);
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
