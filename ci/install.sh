@@ -5,9 +5,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-pip_install() { python -m pip install --disable-pip-version-check "$@"; }
+# --no-cache-dir: no second copy of each wheel in pip's cache (triton alone is ~1 GB installed; a CI run once
+# failed for want of disk while downloading it)
+pip_install() { python -m pip install --disable-pip-version-check --no-cache-dir "$@"; }
 step() { echo "== ci/install.sh: $* (${SECONDS}s)"; }
 
+df -h . | tail -n 1 | awk '{print "== ci/install.sh: disk free here: " $4 " of " $2}'
 step "torch 2.13.0 (CPU)"
 pip_install torch==2.13.0
 
