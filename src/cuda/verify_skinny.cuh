@@ -115,17 +115,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   __syncthreads();
 
   // The block's k-th work item: the producer's first thread claims it (the producer runs up to one item ahead of
-  // the consumer) once every thread has read the slot's previous item (k - 2).
+  // the consumer)
   auto fetch_item = [&](int k) {
-    if (tid == kConsumerThreads) {
-      if (k >= 2) mbar_wait(&sm.item_empty[k & 1], ((k >> 1) - 1) & 1);
-      sm.item[k & 1] = claim_item(prm, k);
-      mbar_arrive(&sm.item_full[k & 1]);
-    }
-    mbar_wait(&sm.item_full[k & 1], (k >> 1) & 1);
-    const int item = sm.item[k & 1];
-    mbar_arrive(&sm.item_empty[k & 1]);
-    return item;
+    return wg::fetch_item_ahead(prm, k, tid, kConsumerThreads, sm.item, sm.item_full, sm.item_empty);
   };
 
   if (tid < kConsumerThreads) {

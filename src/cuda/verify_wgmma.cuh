@@ -241,6 +241,23 @@ __device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCt
   return tile_key_slot(prm, cx, t, vt / kThreadsPerKey);
 }
 
+// The block's k-th work item in kernels whose producer warpgroup runs up to one item ahead of the others (the skinny
+// and trans kernels): thread `claimer` claims it into slot[k % 2] once every thread has read that slot's previous item
+// (k - 2); every thread waits for it, reads it and gives the slot back. Mbarriers: full[i] 1 arrival (release),
+// empty[i] one arrival per thread of the block.
+__device__ __forceinline__ int fetch_item_ahead(const Params& prm, int k, int tid, int claimer, int (&slot)[2],
+                                                unsigned long long (&full)[2], unsigned long long (&empty)[2]) {
+  if (tid == claimer) {
+    if (k >= 2) mbar_wait(&empty[k & 1], ((k >> 1) - 1) & 1);
+    slot[k & 1] = claim_item(prm, k);
+    mbar_arrive(&full[k & 1]);
+  }
+  mbar_wait(&full[k & 1], (k >> 1) & 1);
+  const int item = slot[k & 1];
+  mbar_arrive(&empty[k & 1]);
+  return item;
+}
+
 // O (64 rows x 256 value columns, wgmma accumulator layout) *= the factors of the thread's two rows,
 // skipped when the whole warp's factors are 1.
 __device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
