@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
 # (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
 # (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, wgmma, pingpong, skinny
-#  for every call, the dual for small calls)
+#  and trans for every call, the dual for small calls)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
 set -uo pipefail
@@ -52,6 +52,8 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
   KDTREE_SPLIT_KERNEL=pingpong python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=skinny (sm_90a, 16-row items, for every call)"
   KDTREE_SPLIT_KERNEL=skinny python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_SPLIT_KERNEL=trans (sm_90a, 48-row items, keys as the wgmma M, for every call)"
+  KDTREE_SPLIT_KERNEL=trans python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SKINNY=0 (small calls on the dual kernel)"
   KDTREE_SKINNY=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi

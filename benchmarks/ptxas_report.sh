@@ -15,6 +15,7 @@ for arch in 90a 120; do
     | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
               s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelENS_6ParamsE/kdtree_verify_split_skinny_kernel/; \
+              s/_ZN6kdtree2tr32kdtree_verify_split_trans_kernelENS_6ParamsE/kdtree_verify_split_trans_kernel/; \
               s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
               s/_ZN6kdtree2pp35kdtree_verify_split_pingpong_kernelENS_6ParamsE/kdtree_verify_split_pingpong_kernel/; \
               s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel/; \
@@ -28,17 +29,20 @@ cat > "$tmp/sz.cu" <<'CU'
 #include "verify_pingpong.cuh"
 #include "verify_dual.cuh"
 #include "verify_skinny.cuh"
+#include "verify_trans.cuh"
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B, its 32-row shape %zu B (sm_120 limit 101376), "
-         "3 stages %zu B, dual %zu B, wgmma %zu B, pingpong %zu B, skinny %zu B (sm_90 limit 232448)\n",
+         "3 stages %zu B, dual %zu B, wgmma %zu B, pingpong %zu B, skinny %zu B, trans %zu B (sm_90 limit 232448)\n",
          sizeof(kdtree::SharedStorage<2>),
          sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
          sizeof(kdtree::SharedStorage<3>), kdtree::dual::kSmemBytes, kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes,
-         kdtree::sk::kSmemBytes);
+         kdtree::sk::kSmemBytes, kdtree::tr::kSmemBytes);
 }
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
 echo "On sm_120 only the 2-stage kdtree_verify_split_kernel runs (48 rows; 32 rows x 2 key halves for calls of <= 32-row"
-echo "requests); the four wgmma kernels there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests."
+echo "requests); the five wgmma kernels there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests;"
+echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (not yet run on a device)."
 echo "kdtree_verify_split_dual_kernel's 128 registers are its launch allocation (512 threads); setmaxnreg then gives"
-echo "its score warpgroups 88 and its value warpgroups 168 (verify_dual.cuh; ptxas checks each region: no spills)."
+echo "its score warpgroups 88 and its value warpgroups 168 (verify_dual.cuh; ptxas checks each region: no spills); the"
+echo "trans kernel's 128 likewise, then 128 / 168 / 168 / 48 (score, value, value, producer: verify_trans.cuh)."

@@ -346,6 +346,8 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "wgmma"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "skinny":
         assert got == "wgmma-skinny"
+    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "trans":
+        assert got == "wgmma-trans"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") != "mma":
         assert got == "wgmma-dual", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
     elif cc == (9, 0):

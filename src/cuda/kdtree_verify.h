@@ -133,14 +133,15 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off).
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
- * =pingpong or =skinny select the other sm_90a kernels for every call (one score warpgroup, verify_wgmma.cuh;
- * two symmetric warpgroups, verify_pingpong.cuh; 16-row items, verify_skinny.cuh). */
+ * =pingpong, =skinny or =trans select the other sm_90a kernels for every call (one score warpgroup, verify_wgmma.cuh;
+ * two symmetric warpgroups, verify_pingpong.cuh; 16-row items, verify_skinny.cuh; 48-row items with the keys as
+ * the wgmma M, verify_trans.cuh, not yet run on a device). */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
 /* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 92 (sm_90a
  * wgmma, two score warpgroups), 90 (sm_90a wgmma, one score warpgroup), 91 (sm_90a wgmma, ping-pong
- * warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 3 or 2 (mma.sync with that
- * many key stages).
+ * warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 94 (sm_90a trans: 48-row items
+ * with both products transposed, KDTREE_SPLIT_KERNEL=trans), 3 or 2 (mma.sync with that many key stages).
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 

@@ -13,6 +13,7 @@
 #include "verify_pingpong.cuh"
 #include "verify_dual.cuh"
 #include "verify_skinny.cuh"
+#include "verify_trans.cuh"
 
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
@@ -43,6 +44,7 @@ struct Layout {
 // split_target * block_m partial rows (block_m of whichever split kernel runs, at most 64);
 // a row needs at most split_target partials.
 constexpr int kMaxBlockM = kdtree::kBlockM > kdtree::wg::kBlockM ? kdtree::kBlockM : kdtree::wg::kBlockM;
+static_assert(kdtree::sk::kRows <= kMaxBlockM && kdtree::tr::kRows <= kMaxBlockM, "every split kernel's items fit the sizing");
 Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
   Layout l;
   const long long by_batch = (long long)batch * split_target * kMaxBlockM;
@@ -63,8 +65,9 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // otherwise (sm_120). KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the
 // mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200;
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
-// warpgroup, the default up to session 8; verify_pingpong.cuh).
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93 };
+// warpgroup, the default up to session 8; verify_pingpong.cuh); KDTREE_SPLIT_KERNEL=trans the transposed kernel with
+// 48-row items (verify_trans.cuh, session 13: compile-checked, not yet run on a device).
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94 };
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
 // - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
 //   at most 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference), KDTREE_SPLIT_KERNEL=skinny makes
@@ -97,6 +100,9 @@ SplitLaunch split_launch(int kernel) {
   if (kernel == kSkinny)
     return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
             kdtree::sk::kRows, kdtree::sk::kTileN};
+  if (kernel == kTrans)
+    return {kdtree::tr::kdtree_verify_split_trans_kernel, kdtree::tr::kThreads, kdtree::tr::kSmemBytes,
+            kdtree::tr::kRows, kdtree::tr::kTileN};
   if (kernel == kMma2)
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
             kdtree::MmaWide::kBlockM, kTileN};
@@ -149,6 +155,7 @@ DeviceInfo device_info(int dev, int* status) {
       if (env_is("KDTREE_SPLIT_KERNEL", "wgmma")) kernel = kWgmma;
       if (env_is("KDTREE_SPLIT_KERNEL", "pingpong")) kernel = kPingPong;
       if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = kSkinny;
+      if (env_is("KDTREE_SPLIT_KERNEL", "trans") && (size_t)optin >= kdtree::tr::kSmemBytes) kernel = kTrans;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register

@@ -1,0 +1,386 @@
+// verify_trans.cuh: an sm_90a split pass with both products transposed ("trans"), 48-row work items. Opt-in
+// (KDTREE_SPLIT_KERNEL=trans) and NOT RUN on a device yet (session 13 had no device time): compile-checked only.
+//
+// Why (docs/PERF_LOG.md, next step 5): the dual kernel's items are one wgmma M of 64 rows, so H16 N9's 144 rows take
+// three items of 64 + 64 + 16, and the third reads every key of its split for 16 rows (192 row slots for 144 rows).
+// With the keys as the wgmma M, as in the skinny kernel, the rows are the wgmma N, which may be any multiple of 8:
+// 48-row items cut 144 rows into 3 x 48 with no padding row (H8 N9: 48 + 24, H32 N9: 6 x 48). Session 8's 72-row
+// "rows" kernel (history 67) was 80% slower than the wgmma kernel because q for 72 rows left room for only two key
+// stages, which puts the gather's latency on every tile (history 57: 2 stages +58%, 3 as fast as 4). 48 rows of q
+// (54 KB) leave room for three.
+// Per 48-key tile:
+// - S^T = K q^T: 36 wgmma m64n48k16 by the score warpgroup, A = the key tile (K-major; the wgmma M is 64 keys, so
+//   rows 48-63, warp 3's, read the next 2 KB of shared memory and are masked), B = q (48 rows = N, K-major);
+// - the online softmax down the columns (a query row is a column): the column maxima meet over the 4 warps in shared
+//   memory; P^T (bf16) goes to shared memory, [row][keys] in the 128-byte swizzle, with the columns' rescale factors;
+// - O^T += V^T P^T by two value warpgroups, each owning 256 of the 512 value dims (4 blocks x 3 k-steps of wgmma
+//   m64n48k16, A = the same key tile read MN-major, B = P^T): 96 fp32 per thread;
+// - a producer warpgroup gathers the keys (cp.async into the swizzled layout, eight threads per key as the other
+//   kernels) into 3 stages of 54 KB, and runs on into the next item while the others end the current one.
+// Shared memory: q 55,296 + keys 165,888 + P^T 6,144 + statistics and mbarriers = 230,696 B, 231,720 with the 1 KB
+// alignment slack, of the 232,448 a block may take. One P^T buffer: a second does not fit, so the score warpgroup writes P^T(t + 1) only
+// after both value warpgroups are done with P^T(t) (p_empty); it has S^T(t + 1) to compute in between.
+// Predicted (not measured): a 48-key tile every ~2,500 clocks, ~26 ns per key per item against the dual kernel's
+// ~42 (64 rows), so H16 N9 P131072 ~100 us against 135 (PERF_LOG next step 5 has the arithmetic).
+// Plan, partials and combine are every split kernel's, with 48-row items and 48-key tiles (prm.block_m / tile_n).
+#pragma once
+
+#include "verify_wgmma.cuh"
+
+namespace kdtree {
+namespace tr {
+
+using wg::SmemDesc;
+using wg::kSlabs;      // 9 slabs of 64 dims
+using wg::kSlabDims;   // 64
+
+constexpr int kRows = 48;                          // rows per item: the wgmma N
+constexpr int kTileN = 48;                         // keys per tile (the wgmma M is 64: rows 48-63 are masked)
+constexpr int kStages = 3;
+constexpr int kThreads = 512;                      // score, value 0, value 1, producer
+constexpr int kValueThreads = 256;
+constexpr int kProducerThreads = 128;
+constexpr int kSlabBytes = kTileN * 128;           // 6,144: one 64-dim slab of a tile
+constexpr int kTileBytes = kSlabs * kSlabBytes;    // 55,296
+constexpr int kQSlabBytes = kRows * 128;           // 6,144
+constexpr int kKSteps = kDimQK / 16;               // 36
+constexpr int kPvSteps = kTileN / 16;              // 3
+constexpr int kVBlocks = kDimNope / kSlabDims / 2; // 4 blocks of 64 value dims per value warpgroup
+constexpr int kAcc = kRows / 2;                    // 24 fp32 per thread in an m64n48 accumulator
+constexpr int kCols = kRows / 4;                   // 12: the query rows (accumulator columns) a thread holds
+constexpr int kValidWarps = kTileN / 16;           // 3: warps 0-2 hold the tile's keys in S^T, warp 3 the masked rows
+constexpr int kKeysPerPass = kProducerThreads / 8; // 16: eight producer threads per key
+constexpr int kPasses = kTileN / kKeysPerPass;     // 3
+// setmaxnreg: the launch's 4 x 128 per thread redistributed: the value warpgroups spill at 128 (96 of O^T), the score
+// warpgroup below 128 (112: 4 bytes, ptxas, CUDA 13.0), the producer needs few
+constexpr int kScoreRegs = 128;
+constexpr int kValueRegs = 168;
+constexpr int kProducerRegs = 48;
+static_assert(kScoreRegs + 2 * kValueRegs + kProducerRegs <= 4 * 128 && kScoreRegs % 8 == 0 && kValueRegs % 8 == 0 &&
+                  kProducerRegs % 8 == 0,
+              "register pool");
+constexpr int kBarBlock = 1;    // score + value warpgroups: the item's row sums stored
+constexpr int kBarPFull = 2;    // score warpgroup arrives, value warpgroups wait: the wake-up for P^T (p_full orders)
+constexpr int kBarScore = 3;    // the score warpgroup: q landed; a tile's column maxima; the item's column sums
+
+static_assert(kTileN % 16 == 0 && kTileN <= 64 && kRows % 8 == 0 && kRows <= 256, "wgmma m64nNk16 shapes");
+static_assert(kTileN % kKeysPerPass == 0, "a tile's keys in whole passes of the producer");
+static_assert((kTileN * 128) % 1024 == 0 && (kRows * 128) % 1024 == 0, "swizzle atoms stay 1 KB aligned");
+
+struct Smem {
+  unsigned char q[kSlabs * kQSlabBytes];   // 55,296: q of the item, [slab][row][128 B] (the struct sits on 1 KB)
+  unsigned char kv[kStages][kTileBytes];   // 165,888: [stage][slab][key][128 B]
+  unsigned char p[kRows * 128];            // 6,144: P^T of the latest tile, [row][64 keys (48 used)], 128-byte
+                                           //   swizzle; also the 2 KB that S^T's masked rows read past the last stage
+  float red[2][4][kRows];                  // per-warp column maxima, by tile parity
+  float lred[4][kRows];                    // per-warp column sums at the end of an item
+  float alpha[kRows];                      // the latest tile's rescale factors
+  float row_m[2][kRows], row_l[2][kRows];  // the row statistics of the block's item k in [k % 2]: the score
+                                           //   warpgroup may end item k + 1 before the value warpgroups read k's
+  unsigned long long full[kStages];        // tile landed: 128 producer arrivals (cp.async.mbarrier.arrive)
+  unsigned long long empty[kStages];       // tile consumed: 256 value-thread arrivals
+  unsigned long long p_full;               // P^T / alpha published: 128 score-thread arrivals (release)
+  unsigned long long p_empty;              // P^T / alpha read: 256 value-thread arrivals (release)
+  unsigned long long item_full[2];         // the block's item k stored in item[k % 2] (wg::fetch_item_ahead)
+  unsigned long long item_empty[2];
+  int item[2];
+};
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
+static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+static_assert(offsetof(Smem, p) == offsetof(Smem, kv) + sizeof(Smem::kv) && sizeof(Smem::p) >= (64 - kTileN) * 128,
+              "S^T's masked rows of the last stage's last slab read P^T's bytes (finite or masked), inside the struct");
+
+// D[64 x 48] (+)= A[64 x 16] * B[16 x 48], fp32 accumulate, both operands in shared memory: B K-major, A K-major
+// (TransA 0: S^T, the keys' rows) or MN-major (TransA 1: V^T, the same rows read down their dims).
+template <int TransA>
+__device__ __forceinline__ void wgmma_m64n48k16(float (&d)[kAcc], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, %27, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA));
+}
+
+// A thread's accumulator value i (0..23) of an m64n48 product: row (key, or value dim) 16 warp + g + 8 row_half(i),
+// column (query row) col_of(c, col_q(i)), with col_q(i) = (i & 1) + 2 (i >> 2) indexing the thread's 12 columns;
+// acc_index inverts (column index q, row half h) -> i. (The skinny kernel's mapping, for 6 n8 blocks instead of 2.)
+__device__ __forceinline__ int col_q(int i) { return (i & 1) + 2 * (i >> 2); }
+__device__ __forceinline__ int row_half(int i) { return (i >> 1) & 1; }
+__device__ __forceinline__ int col_of(int c, int q) { return 2 * c + (q & 1) + 8 * (q >> 1); }
+__device__ __forceinline__ int acc_index(int q, int h) { return 4 * (q >> 1) + 2 * h + (q & 1); }
+
+__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(Params prm) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Smem& sm = wg::smem_1k<Smem>(smem_raw);
+  const int tid = threadIdx.x;
+  const int warp = (tid >> 5) & 3;   // warp within its warpgroup
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // the plan kernel's counter and plan
+  const int total = prm.counter[1];
+  const int H = prm.heads;
+
+  if (tid == 0) {
+    for (int b = 0; b < kStages; ++b) {
+      mbar_init(&sm.full[b], kProducerThreads);
+      mbar_init(&sm.empty[b], kValueThreads);
+    }
+    mbar_init(&sm.p_full, 128);
+    mbar_init(&sm.p_empty, kValueThreads);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&sm.item_full[i], 1);
+      mbar_init(&sm.item_empty[i], kThreads);
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  constexpr int kProducer = 128 + kValueThreads;   // the producer warpgroup's first thread claims the items
+  auto fetch_item = [&](int k) {
+    return wg::fetch_item_ahead(prm, k, tid, kProducer, sm.item, sm.item_full, sm.item_empty);
+  };
+
+  if (tid < 128) {
+    // =========================== score warpgroup ===========================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kScoreRegs));
+    const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
+    uint32_t seq = 0;   // tiles of this block: buffer seq % 3, phase seq / 3; P^T round seq
+    for (int k = 0;; ++k) {
+      const int item = fetch_item(k);
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
+      wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, 128);
+      cp_async_wait_all();   // this thread's q copies (the score warpgroup issues no other cp.async)
+      fence_proxy_async();   // read next by wgmma (the async proxy)
+      bar_sync(kBarScore, 128);
+
+      float m_run[kCols], l_part[kCols];
+#pragma unroll
+      for (int q = 0; q < kCols; ++q) {
+        m_run[q] = -INFINITY;
+        l_part[q] = 0.f;
+      }
+      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
+        const int b = seq % kStages;
+        mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
+        fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
+        float s[kAcc];
+        {
+          const SmemDesc kd(smem_u32(&sm.kv[b][0]), 16, 1024);
+          wg::wg_fence();
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks) {
+#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
+            if (ks > 0) continue;
+#endif
+            wgmma_m64n48k16<0>(s, kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32),
+                               qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32), ks > 0);
+          }
+          wg::wg_commit();
+          wg::wg_wait0();
+        }
+        // scale to log2 units, mask (a tile of prefix keys inside the split needs none; warp 3's rows are past the
+        // tile), column maxima
+        const int key_base = cx.k0 + t * kTileN;
+        const bool plain = key_base + kTileN <= cx.k1 && key_base + kTileN <= cx.rp.p;
+        const int key0 = key_base + warp * 16 + g;
+        float cm[kCols];
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) cm[q] = -INFINITY;
+        if (warp < kValidWarps) {   // warp-uniform
+#pragma unroll
+          for (int i = 0; i < kAcc; ++i) {
+            const int q = col_q(i);
+            s[i] = plain || key_visible_n(prm, cx, key0 + 8 * row_half(i), row_token(cx, col_of(c, q), H))
+                       ? s[i] * prm.scale_log2
+                       : -INFINITY;
+            cm[q] = fmaxf(cm[q], s[i]);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kCols; ++q)
+#pragma unroll
+          for (int off = 4; off < 32; off <<= 1) cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], off));
+        float (&red)[4][kRows] = sm.red[seq & 1];   // (a warp writes this parity again two tiles on, after every
+        if (g == 0) {                               //  warp has passed the next tile's barrier, so after its reads)
+#pragma unroll
+          for (int q = 0; q < kCols; ++q) red[warp][col_of(c, q)] = cm[q];
+        }
+        bar_sync(kBarScore, 128);
+        float m_use[kCols], alpha[kCols];
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) {
+          const int col = col_of(c, q);
+          const float tmax = fmaxf(fmaxf(red[0][col], red[1][col]), fmaxf(red[2][col], red[3][col]));
+          const float m_new = fmaxf(m_run[q], tmax);
+          m_use[q] = m_new == -INFINITY ? 0.f : m_new;
+          alpha[q] = fast_exp2(m_run[q] - m_use[q]);
+          m_run[q] = m_new;
+        }
+        // P^T and alpha into shared memory once the value warpgroups are done with the previous tile's (the
+        // block's first tile has no predecessor), the column sums advanced
+        if (seq > 0) mbar_wait(&sm.p_empty, (seq - 1) & 1);
+        float ps[kCols];
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) ps[q] = 0.f;
+        if (warp < kValidWarps) {
+#pragma unroll
+          for (int i = 0; i < kAcc; ++i) {
+            const int q = col_q(i);
+            const float pv = fast_exp2(s[i] - m_use[q]);
+            ps[q] += pv;
+            const int key = warp * 16 + g + 8 * row_half(i), row = col_of(c, q);
+            *reinterpret_cast<__nv_bfloat16*>(&sm.p[row * 128 + ((((key >> 3) ^ (row & 7)) << 4) | ((key & 7) << 1))]) =
+                __float2bfloat16(pv);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) l_part[q] = l_part[q] * alpha[q] + ps[q];
+        if (warp == 0 && g == 0) {
+#pragma unroll
+          for (int q = 0; q < kCols; ++q) sm.alpha[col_of(c, q)] = alpha[q];
+        }
+        fence_proxy_async();   // P^T is read next by wgmma (the async proxy); alpha by plain loads
+        mbar_arrive(&sm.p_full);
+        bar_arrive(kBarPFull, 128 + kValueThreads);
+      }
+
+      // end of the item: the column sums over the warpgroup, the row statistics for the value warpgroups, and for a
+      // split request each row's partial log2-sum-exp
+#pragma unroll
+      for (int q = 0; q < kCols; ++q)
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) l_part[q] += __shfl_xor_sync(0xffffffffu, l_part[q], off);
+      if (g == 0) {
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) sm.lred[warp][col_of(c, q)] = l_part[q];
+      }
+      bar_sync(kBarScore, 128);
+      if (warp == 0 && g == 0) {
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) {
+          const int col = col_of(c, q);
+          sm.row_m[k & 1][col] = m_run[q];
+          sm.row_l[k & 1][col] = (sm.lred[0][col] + sm.lred[1][col]) + (sm.lred[2][col] + sm.lred[3][col]);
+        }
+      }
+      bar_sync(kBarBlock, 128 + kValueThreads);   // (lred is written again only after the next item's barriers)
+      if (cx.rp.nsplit > 1 && tid < cx.rows)
+        write_partial_lse(prm, cx, H, tid, sm.row_m[k & 1][tid], sm.row_l[k & 1][tid]);
+    }
+  } else if (tid < kProducer) {
+    // =========================== value warpgroups ===========================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kValueRegs));
+    const int v = (tid - 128) >> 7;   // value dims [256 v, 256 v + 256)
+    const SmemDesc pd(smem_u32(&sm.p[0]), 16, 1024);
+    uint32_t seq = 0;
+    for (int k = 0;; ++k) {
+      const int item = fetch_item(k);
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
+      float o[kVBlocks][kAcc];
+#pragma unroll
+      for (int mb = 0; mb < kVBlocks; ++mb)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) o[mb][i] = 0.f;
+
+      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
+        const int b = seq % kStages;
+        bar_sync(kBarPFull, 128 + kValueThreads);   // P^T / alpha of this tile: wake up ...
+        mbar_wait(&sm.p_full, seq & 1);              // ... and acquire (complete by now)
+        mbar_wait(&sm.full[b], (seq / kStages) & 1);  // landed (the score warpgroup saw it already)
+        fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
+        bool ones = true;
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) ones = ones && sm.alpha[col_of(c, q)] == 1.f;
+        if (!__all_sync(0xffffffffu, ones)) {
+#pragma unroll
+          for (int q = 0; q < kCols; ++q) {
+            const float a = sm.alpha[col_of(c, q)];
+#pragma unroll
+            for (int mb = 0; mb < kVBlocks; ++mb) {
+              o[mb][acc_index(q, 0)] *= a;
+              o[mb][acc_index(q, 1)] *= a;
+            }
+          }
+        }
+        const uint32_t kv = smem_u32(&sm.kv[b][0]) + (kVBlocks * v) * kSlabBytes;
+        wg::wg_fence();
+#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip O^T += V^T P^T
+#pragma unroll
+        for (int kk = 0; kk < kPvSteps; ++kk)
+#pragma unroll
+          for (int mb = 0; mb < kVBlocks; ++mb)
+            wgmma_m64n48k16<1>(o[mb], SmemDesc(kv + mb * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128),
+                               pd.at(kk * 32), 1);
+#endif
+        wg::wg_commit();
+        wg::wg_wait0();
+        mbar_arrive(&sm.p_empty);    // release: the score warpgroup writes P^T / alpha again
+        mbar_arrive(&sm.empty[b]);   // release: the producer refills the buffer
+      }
+
+      // end of the item: O^T / l as the item's bf16 rows (each thread's 12 rows x 8 dims per value block)
+      bar_sync(kBarBlock, 128 + kValueThreads);   // row_l stored by the score warpgroup
+#pragma unroll
+      for (int q = 0; q < kCols; ++q) {
+        const int col = col_of(c, q);
+        if (col < cx.rows) {
+          const float l = sm.row_l[k & 1][col];
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          __nv_bfloat16* dst = result_row(prm, cx, col) + 256 * v + warp * 16 + g;
+#pragma unroll
+          for (int mb = 0; mb < kVBlocks; ++mb) {
+            dst[mb * kSlabDims] = __float2bfloat16(o[mb][acc_index(q, 0)] * inv);
+            dst[mb * kSlabDims + 8] = __float2bfloat16(o[mb][acc_index(q, 1)] * inv);
+          }
+        }
+      }
+      // (row_l[k % 2] is written again at the end of item k + 2, after the score warpgroup's wait for p_empty of
+      // item k + 1's last tile, which these threads pass after these reads)
+    }
+  } else {
+    // =========================== producer warpgroup ===========================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int pt = tid - kProducer;
+    const int kq = pt / 8;   // keys kq + 16 r (r < kPasses) of every tile are this thread's
+    const int cc = pt % 8;   // chunk cc of each of their slabs
+    uint32_t seq = 0;
+    for (int k = 0;; ++k) {
+      const int item = fetch_item(k);
+      if (item >= total) {
+        cp_async_wait_all();   // no thread leaves with copies in flight (the others still wait on them)
+        return;
+      }
+      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
+      long long slot[kPasses];
+#pragma unroll
+      for (int r = 0; r < kPasses; ++r) slot[r] = wg::tile_key_slot<kTileN>(prm, cx, 0, kq + r * kKeysPerPass);
+      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
+        const int b = seq % kStages;
+        long long next[kPasses];   // one tile ahead: their latency hides in the wait and the copies
+#pragma unroll
+        for (int r = 0; r < kPasses; ++r) next[r] = wg::tile_key_slot<kTileN>(prm, cx, t + 1, kq + r * kKeysPerPass);
+        mbar_wait(&sm.empty[b], ((seq / kStages) & 1) ^ 1u);   // the buffer's previous tile consumed (none at first)
+#pragma unroll
+        for (int r = 0; r < kPasses; ++r)
+          wg::copy_key_chunks<kTileN>(smem_u32(&sm.kv[b][0]), prm, cx, t, kq + r * kKeysPerPass, cc, slot[r]);
+        wg::arrive_when_landed(&sm.full[b]);
+#pragma unroll
+        for (int r = 0; r < kPasses; ++r) slot[r] = next[r];
+      }
+    }
+  }
+#else
+  __trap();   // built without sm_90a: the launcher never selects this kernel
+#endif
+}
+
+}  // namespace tr
+}  // namespace kdtree
