@@ -46,7 +46,6 @@ constexpr int kThreads = kConsumerThreads + kProducerThreads;   // consumer + pr
 constexpr int kSlabBytes = kTileN * 128;           // 8,192: one 64-dim slab of a tile
 constexpr int kTileBytes = kSlabs * kSlabBytes;    // 73,728
 constexpr int kQSlabBytes = kRows * 128;           // 2,048
-constexpr int kKSteps = kDimQK / 16;               // 36
 constexpr int kPvSteps = kTileN / 16;              // 4
 constexpr int kVBlocks = kDimNope / kSlabDims;     // 8 blocks of 64 value dims
 constexpr int kKeysPerPass = kProducerThreads / 8;   // 16: eight producer threads per key, one 16-byte chunk of
@@ -75,21 +74,8 @@ constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
 static_assert(kTileBytes % 1024 == 0 && (kSlabs * kQSlabBytes) % 1024 == 0, "q and P^T on 1 KB swizzle atoms");
 
-// D[64 x 16] (+)= A[64 x 16] * B[16 x 16], fp32 accumulate, both operands in shared memory: B K-major, A K-major
-// (TransA 0: S^T, the keys' rows) or MN-major (TransA 1: V^T, the same rows read down their dims).
-template <int TransA>
-__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA));
-}
-
-// A thread's accumulator value i (0..7) of an m64n16 product: row (key, or value dim) 16 warp + g + 8 ((i >> 1) & 1),
-// column (query row) col(q(i)), with q(i) = (i & 1) + 2 (i >> 2) indexing the thread's four columns.
-__device__ __forceinline__ int col_q(int i) { return (i & 1) + 2 * (i >> 2); }
-__device__ __forceinline__ int col_of(int c, int q) { return 2 * c + (q & 1) + 8 * (q >> 1); }
+using km::col_of;   // the accumulator mapping of kernels with the keys as the wgmma M (verify_wgmma.cuh)
+using km::col_q;
 
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -159,20 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         const uint32_t kv = smem_u32(&sm.kv[b][0]);
         float s[8];
-        {
-          const SmemDesc kd(kv, 16, 1024);
-          wg::wg_fence();
-#pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks) {
-#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
-            if (ks > 0) continue;
-#endif
-            wgmma_m64n16k16<0>(s, kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32),
-                               qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32), ks > 0);
-          }
-          wg::wg_commit();
-          wg::wg_wait0();
-        }
+        km::scores_t<kRows, kSlabBytes, kQSlabBytes>(s, kv, qd);
         // scale to log2 units, mask (a tile of prefix keys inside the split needs none), column maxima
         const int key_base = cx.k0 + t * kTileN;
         const bool plain = key_base + kTileN <= cx.k1 && key_base + kTileN <= cx.rp.p;
@@ -212,8 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
           const int q = col_q(i);
           const float pv = fast_exp2(s[i] - m_use[q]);
           ps[q] += pv;
-          const int key = warp * 16 + g + 8 * ((i >> 1) & 1), row = col_of(c, q);
-          *reinterpret_cast<__nv_bfloat16*>(&sm.p[row * 128 + ((((key >> 3) ^ (row & 7)) << 4) | ((key & 7) << 1))]) =
+          *reinterpret_cast<__nv_bfloat16*>(&sm.p[km::pt_offset(col_of(c, q), warp * 16 + g + 8 * km::row_half(i))]) =
               __float2bfloat16(pv);
         }
 #pragma unroll
@@ -232,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         for (int kk = 0; kk < kPvSteps; ++kk)
 #pragma unroll
           for (int mb = 0; mb < kVBlocks; ++mb)
-            wgmma_m64n16k16<1>(o[mb], SmemDesc(kv + mb * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128),
+            km::wgmma_m64nNk16<kRows, 1>(o[mb], SmemDesc(kv + mb * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128),
                                pd.at(kk * 32), 1);
 #endif
         wg::wg_commit();

@@ -43,7 +43,6 @@ constexpr int kProducerThreads = 128;
 constexpr int kSlabBytes = kTileN * 128;           // 6,144: one 64-dim slab of a tile
 constexpr int kTileBytes = kSlabs * kSlabBytes;    // 55,296
 constexpr int kQSlabBytes = kRows * 128;           // 6,144
-constexpr int kKSteps = kDimQK / 16;               // 36
 constexpr int kPvSteps = kTileN / 16;              // 3
 constexpr int kVBlocks = kDimNope / kSlabDims / 2; // 4 blocks of 64 value dims per value warpgroup
 constexpr int kAcc = kRows / 2;                    // 24 fp32 per thread in an m64n48 accumulator
@@ -90,27 +89,10 @@ static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of share
 static_assert(offsetof(Smem, p) == offsetof(Smem, kv) + sizeof(Smem::kv) && sizeof(Smem::p) >= (64 - kTileN) * 128,
               "S^T's masked rows of the last stage's last slab read P^T's bytes (finite or masked), inside the struct");
 
-// D[64 x 48] (+)= A[64 x 16] * B[16 x 48], fp32 accumulate, both operands in shared memory: B K-major, A K-major
-// (TransA 0: S^T, the keys' rows) or MN-major (TransA 1: V^T, the same rows read down their dims).
-template <int TransA>
-__device__ __forceinline__ void wgmma_m64n48k16(float (&d)[kAcc], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, %27, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA));
-}
-
-// A thread's accumulator value i (0..23) of an m64n48 product: row (key, or value dim) 16 warp + g + 8 row_half(i),
-// column (query row) col_of(c, col_q(i)), with col_q(i) = (i & 1) + 2 (i >> 2) indexing the thread's 12 columns;
-// acc_index inverts (column index q, row half h) -> i. (The skinny kernel's mapping, for 6 n8 blocks instead of 2.)
-__device__ __forceinline__ int col_q(int i) { return (i & 1) + 2 * (i >> 2); }
-__device__ __forceinline__ int row_half(int i) { return (i >> 1) & 1; }
-__device__ __forceinline__ int col_of(int c, int q) { return 2 * c + (q & 1) + 8 * (q >> 1); }
-__device__ __forceinline__ int acc_index(int q, int h) { return 4 * (q >> 1) + 2 * h + (q & 1); }
+using km::acc_index;   // the accumulator mapping of kernels with the keys as the wgmma M (verify_wgmma.cuh)
+using km::col_of;
+using km::col_q;
+using km::row_half;
 
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -171,20 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         float s[kAcc];
-        {
-          const SmemDesc kd(smem_u32(&sm.kv[b][0]), 16, 1024);
-          wg::wg_fence();
-#pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks) {
-#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
-            if (ks > 0) continue;
-#endif
-            wgmma_m64n48k16<0>(s, kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32),
-                               qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32), ks > 0);
-          }
-          wg::wg_commit();
-          wg::wg_wait0();
-        }
+        km::scores_t<kRows, kSlabBytes, kQSlabBytes>(s, smem_u32(&sm.kv[b][0]), qd);
         // scale to log2 units, mask (a tile of prefix keys inside the split needs none; warp 3's rows are past the
         // tile), column maxima
         const int key_base = cx.k0 + t * kTileN;
@@ -235,8 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
             const int q = col_q(i);
             const float pv = fast_exp2(s[i] - m_use[q]);
             ps[q] += pv;
-            const int key = warp * 16 + g + 8 * row_half(i), row = col_of(c, q);
-            *reinterpret_cast<__nv_bfloat16*>(&sm.p[row * 128 + ((((key >> 3) ^ (row & 7)) << 4) | ((key & 7) << 1))]) =
+            *reinterpret_cast<__nv_bfloat16*>(&sm.p[km::pt_offset(col_of(c, q), warp * 16 + g + 8 * row_half(i))]) =
                 __float2bfloat16(pv);
           }
         }
@@ -317,8 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         for (int kk = 0; kk < kPvSteps; ++kk)
 #pragma unroll
           for (int mb = 0; mb < kVBlocks; ++mb)
-            wgmma_m64n48k16<1>(o[mb], SmemDesc(kv + mb * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128),
-                               pd.at(kk * 32), 1);
+            km::wgmma_m64nNk16<kRows, 1>(o[mb], SmemDesc(kv + mb * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128),
+                                         pd.at(kk * 32), 1);
 #endif
         wg::wg_commit();
         wg::wg_wait0();

@@ -544,4 +544,67 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
 }
 
 }  // namespace wg
+
+// ---------------------------------------------------------------------------------------------
+// Kernels with the keys as the wgmma M (verify_skinny.cuh: 16-row items, verify_trans.cuh: 48): S^T = K q^T and
+// O^T = V^T P^T as wgmma m64nNk16 with N = the item's rows, so a query row is an accumulator column.
+// ---------------------------------------------------------------------------------------------
+namespace km {
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], fp32 accumulate, both operands in shared memory: B K-major, A K-major
+// (TransA 0: S^T, the keys' rows) or MN-major (TransA 1: V^T, the same rows read down their dims). N = 16 or 48.
+template <int N, int TransA>
+__device__ __forceinline__ void wgmma_m64nNk16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  static_assert(N == 16 || N == 48, "the item rows of the skinny and trans kernels");
+  if constexpr (N == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+        "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, %27, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA));
+  }
+}
+
+// A thread's accumulator value i of an m64nN product: row (key, or value dim) 16 warp + g + 8 row_half(i), column
+// (query row) col_of(c, col_q(i)), where col_q(i) = (i & 1) + 2 (i >> 2) indexes the thread's N / 4 columns;
+// acc_index(q, h) is the value i of column index q and row half h.
+__device__ __forceinline__ int col_q(int i) { return (i & 1) + 2 * (i >> 2); }
+__device__ __forceinline__ int row_half(int i) { return (i >> 1) & 1; }
+__device__ __forceinline__ int col_of(int c, int q) { return 2 * c + (q & 1) + 8 * (q >> 1); }
+__device__ __forceinline__ int acc_index(int q, int h) { return 4 * (q >> 1) + 2 * h + (q & 1); }
+
+// Byte offset of P^T's element (query row, key) in [row][64 keys] bf16 rows of 128 bytes, 128-byte swizzle (the B
+// operand of O^T, K-major).
+__device__ __forceinline__ int pt_offset(int row, int key) {
+  return row * 128 + ((((key >> 3) ^ (row & 7)) << 4) | ((key & 7) << 1));
+}
+
+// S^T of one key tile into s: the 36 k-steps of wgmma m64nNk16, A = the tile at shared address kv ([slab][key][128 B],
+// SlabBytes per slab), B = q (QSlabBytes per slab), then committed and waited for.
+template <int N, int SlabBytes, int QSlabBytes>
+__device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const wg::SmemDesc& qd) {
+  const wg::SmemDesc kd(kv, 16, 1024);
+  wg::wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < kDimQK / 16; ++ks) {
+#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
+    if (ks > 0) continue;
+#endif
+    wgmma_m64nNk16<N, 0>(s, kd.at((ks >> 2) * SlabBytes + (ks & 3) * 32), qd.at((ks >> 2) * QSlabBytes + (ks & 3) * 32),
+                         ks > 0);
+  }
+  wg::wg_commit();
+  wg::wg_wait0();
+}
+
+}  // namespace km
 }  // namespace kdtree
