@@ -48,13 +48,10 @@ constexpr int kTileBytes = kSlabs * kSlabBytes;    // 73,728
 constexpr int kQSlabBytes = kRows * 128;           // 2,048
 constexpr int kPvSteps = kTileN / 16;              // 4
 constexpr int kVBlocks = kDimNope / kSlabDims;     // 8 blocks of 64 value dims
-constexpr int kKeysPerPass = kProducerThreads / 8;   // 16: eight producer threads per key, one 16-byte chunk of
-constexpr int kPasses = kTileN / kKeysPerPass;       // 4     each slab each (whole 128-byte lines per warp copy)
 static_assert(kProducerThreads % 128 == 0 && kProducerThreads <= 256, "whole producer warpgroups, at most two");
 constexpr int kBarConsumer = 1;                    // named barrier of the consumer warpgroup (0 is __syncthreads)
 
 static_assert(kTileN == 64 && kRows == 16, "one wgmma m64n16k16 per k-step of either product");
-static_assert(kProducerThreads % 8 == 0 && kTileN % kKeysPerPass == 0, "a tile's keys in whole passes of the producer");
 
 struct Smem {
   unsigned char kv[kStages][kTileBytes];   // 147,456: [stage][slab][key][128 B] (the struct sits on a 1 KB boundary)
@@ -251,34 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
     }
   } else {
     // =========================== producer warpgroup ===========================
-    const int pt = tid - kConsumerThreads;
-    const int kq = pt / 8;   // keys kq + 16 r (r < kPasses) of every tile are this thread's
-    const int cc = pt % 8;   // chunk cc of each of their slabs
-    uint32_t seq = 0;   // tiles issued by this block: buffer seq % 2, phase seq / 2
-    for (int k = 0;; ++k) {
-      const int item = fetch_item(k);
-      if (item >= total) {
-        cp_async_wait_all();   // no thread leaves with copies in flight (the consumer still waits on them)
-        return;
-      }
-      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
-      long long slot[kPasses];
-#pragma unroll
-      for (int r = 0; r < kPasses; ++r) slot[r] = wg::tile_key_slot<kTileN>(prm, cx, 0, kq + r * kKeysPerPass);
-      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
-        const int b = seq & 1;
-        long long next[kPasses];   // one tile ahead: their latency hides in the wait and the copies
-#pragma unroll
-        for (int r = 0; r < kPasses; ++r) next[r] = wg::tile_key_slot<kTileN>(prm, cx, t + 1, kq + r * kKeysPerPass);
-        mbar_wait(&sm.empty[b], ((seq >> 1) & 1) ^ 1u);   // the buffer's previous tile consumed (none at first)
-#pragma unroll
-        for (int r = 0; r < kPasses; ++r)
-          wg::copy_key_chunks<kTileN>(smem_u32(&sm.kv[b][0]), prm, cx, t, kq + r * kKeysPerPass, cc, slot[r]);
-        wg::arrive_when_landed(&sm.full[b]);
-#pragma unroll
-        for (int r = 0; r < kPasses; ++r) slot[r] = next[r];
-      }
-    }
+    km::key_producer<kRows, kTileN, kStages, kProducerThreads>(sm, prm, tid - kConsumerThreads, total, fetch_item);
   }
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel

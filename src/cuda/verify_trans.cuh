@@ -48,8 +48,6 @@ constexpr int kVBlocks = kDimNope / kSlabDims / 2; // 4 blocks of 64 value dims 
 constexpr int kAcc = kRows / 2;                    // 24 fp32 per thread in an m64n48 accumulator
 constexpr int kCols = kRows / 4;                   // 12: the query rows (accumulator columns) a thread holds
 constexpr int kValidWarps = kTileN / 16;           // 3: warps 0-2 hold the tile's keys in S^T, warp 3 the masked rows
-constexpr int kKeysPerPass = kProducerThreads / 8; // 16: eight producer threads per key
-constexpr int kPasses = kTileN / kKeysPerPass;     // 3
 // setmaxnreg: the launch's 4 x 128 per thread redistributed: the value warpgroups spill at 128 (96 of O^T), the score
 // warpgroup below 128 (112: 4 bytes, ptxas, CUDA 13.0), the producer needs few
 constexpr int kScoreRegs = 128;
@@ -63,7 +61,6 @@ constexpr int kBarPFull = 2;    // score warpgroup arrives, value warpgroups wai
 constexpr int kBarScore = 3;    // the score warpgroup: q landed; a tile's column maxima; the item's column sums
 
 static_assert(kTileN % 16 == 0 && kTileN <= 64 && kRows % 8 == 0 && kRows <= 256, "wgmma m64nNk16 shapes");
-static_assert(kTileN % kKeysPerPass == 0, "a tile's keys in whole passes of the producer");
 static_assert((kTileN * 128) % 1024 == 0 && (kRows * 128) % 1024 == 0, "swizzle atoms stay 1 KB aligned");
 
 struct Smem {
@@ -316,34 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
   } else {
     // =========================== producer warpgroup ===========================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const int pt = tid - kProducer;
-    const int kq = pt / 8;   // keys kq + 16 r (r < kPasses) of every tile are this thread's
-    const int cc = pt % 8;   // chunk cc of each of their slabs
-    uint32_t seq = 0;
-    for (int k = 0;; ++k) {
-      const int item = fetch_item(k);
-      if (item >= total) {
-        cp_async_wait_all();   // no thread leaves with copies in flight (the others still wait on them)
-        return;
-      }
-      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
-      long long slot[kPasses];
-#pragma unroll
-      for (int r = 0; r < kPasses; ++r) slot[r] = wg::tile_key_slot<kTileN>(prm, cx, 0, kq + r * kKeysPerPass);
-      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
-        const int b = seq % kStages;
-        long long next[kPasses];   // one tile ahead: their latency hides in the wait and the copies
-#pragma unroll
-        for (int r = 0; r < kPasses; ++r) next[r] = wg::tile_key_slot<kTileN>(prm, cx, t + 1, kq + r * kKeysPerPass);
-        mbar_wait(&sm.empty[b], ((seq / kStages) & 1) ^ 1u);   // the buffer's previous tile consumed (none at first)
-#pragma unroll
-        for (int r = 0; r < kPasses; ++r)
-          wg::copy_key_chunks<kTileN>(smem_u32(&sm.kv[b][0]), prm, cx, t, kq + r * kKeysPerPass, cc, slot[r]);
-        wg::arrive_when_landed(&sm.full[b]);
-#pragma unroll
-        for (int r = 0; r < kPasses; ++r) slot[r] = next[r];
-      }
-    }
+    km::key_producer<kRows, kTileN, kStages, kProducerThreads>(sm, prm, tid - kProducer, total, fetch_item);
   }
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel

@@ -606,5 +606,44 @@ __device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const w
   wg::wg_wait0();
 }
 
+// The producer of a kernel with the keys as the wgmma M: thread pt of Threads (whole warpgroups) gathers its share of
+// every tile of the block's items (Rows-row items of TileN-key tiles) into the ring of Stages key buffers sm.kv, eight
+// threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
+// per key every sector crossed from L2 twice, history 95); it waits for a buffer's release on sm.empty, announces each
+// tile on sm.full once its copies have landed, and runs on into the next item (fetch_item) while the others end theirs.
+template <int Rows, int TileN, int Stages, int Threads, class SmemT, class Fetch>
+__device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int pt, int total, Fetch fetch_item) {
+  constexpr int kKeysPerPass = Threads / 8;
+  constexpr int kPasses = TileN / kKeysPerPass;
+  static_assert(Threads % 128 == 0 && TileN % kKeysPerPass == 0, "whole warpgroups; a tile's keys in whole passes");
+  const int kq = pt / 8;   // keys kq + kKeysPerPass r (r < kPasses) of every tile are this thread's
+  const int cc = pt % 8;   // chunk cc of each of their slabs
+  uint32_t seq = 0;        // tiles issued by this block: buffer seq % Stages, phase seq / Stages
+  for (int k = 0;; ++k) {
+    const int item = fetch_item(k);
+    if (item >= total) {
+      cp_async_wait_all();   // no thread leaves with copies in flight (the consumers still wait on them)
+      return;
+    }
+    const ItemCtx cx = item_ctx<Rows, TileN>(prm, item);
+    long long slot[kPasses];
+#pragma unroll
+    for (int r = 0; r < kPasses; ++r) slot[r] = wg::tile_key_slot<TileN>(prm, cx, 0, kq + r * kKeysPerPass);
+    for (int t = 0; t < cx.ntiles; ++t, ++seq) {
+      const int b = seq % Stages;
+      long long next[kPasses];   // one tile ahead: their latency hides in the wait and the copies
+#pragma unroll
+      for (int r = 0; r < kPasses; ++r) next[r] = wg::tile_key_slot<TileN>(prm, cx, t + 1, kq + r * kKeysPerPass);
+      mbar_wait(&sm.empty[b], ((seq / Stages) & 1) ^ 1u);   // the buffer's previous tile consumed (none at first)
+#pragma unroll
+      for (int r = 0; r < kPasses; ++r)
+        wg::copy_key_chunks<TileN>(smem_u32(&sm.kv[b][0]), prm, cx, t, kq + r * kKeysPerPass, cc, slot[r]);
+      wg::arrive_when_landed(&sm.full[b]);
+#pragma unroll
+      for (int r = 0; r < kPasses; ++r) slot[r] = next[r];
+    }
+  }
+}
+
 }  // namespace km
 }  // namespace kdtree
