@@ -276,17 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
           }
         }
         const uint32_t kv = smem_u32(&sm.kv[b][0]) + (kVBlocks * v) * kSlabBytes;
-        wg::wg_fence();
-#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip O^T += V^T P^T
-#pragma unroll
-        for (int kk = 0; kk < kPvSteps; ++kk)
-#pragma unroll
-          for (int mb = 0; mb < kVBlocks; ++mb)
-            km::wgmma_m64nNk16<kRows, 1>(o[mb], SmemDesc(kv + mb * kSlabBytes, kSlabBytes, 1024).at(kk * 16 * 128),
-                                         pd.at(kk * 32), 1);
-#endif
-        wg::wg_commit();
-        wg::wg_wait0();
+        km::values_t<kRows, kVBlocks, kSlabBytes, kPvSteps>(o, kv, pd);
         mbar_arrive(&sm.p_empty);    // release: the score warpgroup writes P^T / alpha again
         mbar_arrive(&sm.empty[b]);   // release: the producer refills the buffer
       }

@@ -606,6 +606,22 @@ __device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const w
   wg::wg_wait0();
 }
 
+// O^T += V^T P^T over one key tile: VBlocks blocks of 64 value dims (block mb read MN-major from the tile's slab at
+// shared address kv + mb SlabBytes) x PvSteps k-steps of 16 keys, B = P^T (pd); committed and waited for.
+template <int N, int VBlocks, int SlabBytes, int PvSteps>
+__device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv, const wg::SmemDesc& pd) {
+  wg::wg_fence();
+#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip O^T += V^T P^T
+#pragma unroll
+  for (int kk = 0; kk < PvSteps; ++kk)
+#pragma unroll
+    for (int mb = 0; mb < VBlocks; ++mb)
+      wgmma_m64nNk16<N, 1>(o[mb], wg::SmemDesc(kv + mb * SlabBytes, SlabBytes, 1024).at(kk * 16 * 128), pd.at(kk * 32), 1);
+#endif
+  wg::wg_commit();
+  wg::wg_wait0();
+}
+
 // The producer of a kernel with the keys as the wgmma M: thread pt of Threads (whole warpgroups) gathers its share of
 // every tile of the block's items (Rows-row items of TileN-key tiles) into the ring of Stages key buffers sm.kv, eight
 // threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
