@@ -44,7 +44,8 @@ struct Layout {
 // split_target * block_m partial rows (block_m of whichever split kernel runs, at most 64);
 // a row needs at most split_target partials.
 constexpr int kMaxBlockM = kdtree::kBlockM > kdtree::wg::kBlockM ? kdtree::kBlockM : kdtree::wg::kBlockM;
-static_assert(kdtree::sk::kRows <= kMaxBlockM && kdtree::tr::kRows <= kMaxBlockM, "every split kernel's items fit the sizing");
+static_assert(kdtree::sk::kRows <= kMaxBlockM && kdtree::tr::kRows <= kMaxBlockM,
+              "every split kernel's items fit the partials' sizing");
 Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
   Layout l;
   const long long by_batch = (long long)batch * split_target * kMaxBlockM;

@@ -18,8 +18,9 @@
 // - a producer warpgroup gathers the keys (cp.async into the swizzled layout, eight threads per key as the other
 //   kernels) into 3 stages of 54 KB, and runs on into the next item while the others end the current one.
 // Shared memory: q 55,296 + keys 165,888 + P^T 6,144 + statistics and mbarriers = 230,696 B, 231,720 with the 1 KB
-// alignment slack, of the 232,448 a block may take. One P^T buffer: a second does not fit, so the score warpgroup writes P^T(t + 1) only
-// after both value warpgroups are done with P^T(t) (p_empty); it has S^T(t + 1) to compute in between.
+// alignment slack, of the 232,448 a block may take. One P^T buffer: a second does not fit, so the score warpgroup
+// writes P^T(t + 1) only after both value warpgroups are done with P^T(t) (p_empty); it has S^T(t + 1) to compute in
+// between.
 // Predicted (not measured): a 48-key tile every ~2,500 clocks, ~26 ns per key per item against the dual kernel's
 // ~42 (64 rows), so H16 N9 P131072 ~100 us against 135 (PERF_LOG next step 5 has the arithmetic).
 // Plan, partials and combine are every split kernel's, with 48-row items and 48-key tiles (prm.block_m / tile_n).

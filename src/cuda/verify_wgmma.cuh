@@ -599,8 +599,8 @@ __device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const w
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
     if (ks > 0) continue;
 #endif
-    wgmma_m64nNk16<N, 0>(s, kd.at((ks >> 2) * SlabBytes + (ks & 3) * 32), qd.at((ks >> 2) * QSlabBytes + (ks & 3) * 32),
-                         ks > 0);
+    wgmma_m64nNk16<N, 0>(s, kd.at((ks >> 2) * SlabBytes + (ks & 3) * 32),
+                         qd.at((ks >> 2) * QSlabBytes + (ks & 3) * 32), ks > 0);
   }
   wg::wg_commit();
   wg::wg_wait0();
@@ -616,7 +616,8 @@ __device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv
   for (int kk = 0; kk < PvSteps; ++kk)
 #pragma unroll
     for (int mb = 0; mb < VBlocks; ++mb)
-      wgmma_m64nNk16<N, 1>(o[mb], wg::SmemDesc(kv + mb * SlabBytes, SlabBytes, 1024).at(kk * 16 * 128), pd.at(kk * 32), 1);
+      wgmma_m64nNk16<N, 1>(o[mb], wg::SmemDesc(kv + mb * SlabBytes, SlabBytes, 1024).at(kk * 16 * 128), pd.at(kk * 32),
+                           1);
 #endif
   wg::wg_commit();
   wg::wg_wait0();

@@ -96,10 +96,10 @@ _KERNEL_NAMES = {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 93: "wgmma
 
 def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
     """The split kernel that runs on the current device: ``"wgmma-dual"``, ``"wgmma"``, ``"wgmma-pingpong"``,
-    ``"wgmma-skinny"`` or ``"wgmma-trans"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three sizes, the kernel a
-    call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device runs the dual
-    kernel and no request can exceed 16 rows, ``"mma.sync-2stage-32row"`` where it runs the 2-stage kernel and no
-    request can exceed 32 rows). Raises KdtreeError when no device is usable."""
+    ``"wgmma-skinny"`` or ``"wgmma-trans"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
+    sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
+    runs the dual kernel and no request can exceed 16 rows, ``"mma.sync-2stage-32row"`` where it runs the 2-stage kernel
+    and no request can exceed 32 rows). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
     cdef int status
     sizes = (batch_size, num_tokens, num_heads)
