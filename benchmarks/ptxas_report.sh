@@ -45,4 +45,4 @@ echo "requests); the five wgmma kernels there are __trap() stubs. On sm_90a the 
 echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (not yet run on a device)."
 echo "kdtree_verify_split_dual_kernel's 128 registers are its launch allocation (512 threads); setmaxnreg then gives"
 echo "its score warpgroups 88 and its value warpgroups 168 (verify_dual.cuh; ptxas checks each region: no spills); the"
-echo "trans kernel's 128 likewise, then 128 / 168 / 168 / 48 (score, value, value, producer: verify_trans.cuh)."
+echo "trans kernel's 128 likewise, then 120 / 168 / 168 / 56 (score, value, value, producer: verify_trans.cuh)."
