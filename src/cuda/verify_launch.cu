@@ -148,7 +148,8 @@ DeviceInfo device_info(int dev, int* status) {
     int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kMma3 : kMma2;
 #ifdef KDTREE_HAVE_SM90A
     if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes &&
-        (size_t)optin >= kdtree::wg::kSmemBytes && (size_t)optin >= kdtree::pp::kSmemBytes)
+        (size_t)optin >= kdtree::wg::kSmemBytes && (size_t)optin >= kdtree::pp::kSmemBytes &&
+        (size_t)optin >= kdtree::sk::kSmemBytes && (size_t)optin >= kdtree::tr::kSmemBytes)
       kernel = kDual;
 #endif
     if (kernel == kDual) {
@@ -156,7 +157,7 @@ DeviceInfo device_info(int dev, int* status) {
       if (env_is("KDTREE_SPLIT_KERNEL", "wgmma")) kernel = kWgmma;
       if (env_is("KDTREE_SPLIT_KERNEL", "pingpong")) kernel = kPingPong;
       if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = kSkinny;
-      if (env_is("KDTREE_SPLIT_KERNEL", "trans") && (size_t)optin >= kdtree::tr::kSmemBytes) kernel = kTrans;
+      if (env_is("KDTREE_SPLIT_KERNEL", "trans")) kernel = kTrans;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
