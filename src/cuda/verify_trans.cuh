@@ -1,5 +1,6 @@
 // verify_trans.cuh: an sm_90a split pass with both products transposed ("trans"), 48-row work items. Opt-in
-// (KDTREE_SPLIT_KERNEL=trans) and NOT RUN on a device yet (session 13 had no device time): compile-checked only.
+// (KDTREE_SPLIT_KERNEL=trans), never chosen by default: measured slower than the default kernels on every shape
+// (H200, session 14, PERF_LOG history 102-105: H16 N9 P131072 155 us against the dual kernel's 135).
 //
 // Why (docs/PERF_LOG.md, next step 5): the dual kernel's items are one wgmma M of 64 rows, so H16 N9's 144 rows take
 // three items of 64 + 64 + 16, and the third reads every key of its split for 16 rows (192 row slots for 144 rows).
@@ -21,8 +22,13 @@
 // alignment slack, of the 232,448 a block may take. One P^T buffer: a second does not fit, so the score warpgroup
 // writes P^T(t + 1) only after both value warpgroups are done with P^T(t) (p_empty); it has S^T(t + 1) to compute in
 // between.
-// Predicted (not measured): a 48-key tile every ~2,500 clocks, ~26 ns per key per item against the dual kernel's
-// ~42 (64 rows), so H16 N9 P131072 ~100 us against 135 (PERF_LOG next step 5 has the arithmetic).
+// Predicted in session 13: a 48-key tile every ~2,500 clocks, H16 N9 P131072 ~100 us. Measured (session 14): a tile
+// every ~4,200 clocks, 155 us. What sets the period (ncu source counters, knock-outs, history 103-105): the one score
+// warpgroup issues ~890 instructions per tile per warp at ~4.7 clocks each (one warp per scheduler: little to hide
+// latency with), and the single P^T buffer puts O^T on its chain (P^T(t + 1) waits for O^T(t)): knocking out S^T or
+// O^T saves ~23 us each, both ~44. The value warpgroups wait for P^T 62% of the time. Two score warpgroups (one
+// value warpgroup of 192 fp32 for all 512 dims) or a second P^T buffer would be the next form; neither fits as laid
+// out here (registers; ~700 B of shared memory left).
 // Plan, partials and combine are every split kernel's, with 48-row items and 48-key tiles (prm.block_m / tile_n).
 #pragma once
 
@@ -50,15 +56,14 @@ constexpr int kAcc = kRows / 2;                    // 24 fp32 per thread in an m
 constexpr int kCols = kRows / 4;                   // 12: the query rows (accumulator columns) a thread holds
 constexpr int kValidWarps = kTileN / 16;           // 3: warps 0-2 hold the tile's keys in S^T, warp 3 the masked rows
 // setmaxnreg: the launch's 4 x 128 per thread redistributed (every warpgroup changes its count): the value warpgroups
-// spill at 128 (96 of O^T) and are given 168, the score warpgroup spills at 112 (4 bytes, ptxas, CUDA 13.0) and keeps
-// 120, the producer needs few
-constexpr int kScoreRegs = 120;
-constexpr int kValueRegs = 168;
-constexpr int kProducerRegs = 56;
-static_assert(kScoreRegs + 2 * kValueRegs + kProducerRegs <= 4 * 128 && kScoreRegs % 8 == 0 && kValueRegs % 8 == 0 &&
-                  kProducerRegs % 8 == 0,
-              "register pool");
-constexpr int kBarBlock = 1;    // score + value warpgroups: the item's row sums stored
+// spill at 128 (96 of O^T) and are given 160; the score warpgroup holds two S^T accumulators (S^T(t + 1) runs beside
+// tile t's softmax) and is given 144; the producer 48 (ptxas, CUDA 13.0: 152 / 160 / 40 and 136 / 168 / 40 spill 8
+// bytes, 144 / 168 / 32 36)
+constexpr int kLaunchRegs = 65536 / kThreads;   // 128: one block of 512 threads per SM
+constexpr int kScoreRegs = 144;
+constexpr int kValueRegs = 160;
+constexpr int kProducerRegs = 48;
+static_assert(kScoreRegs + 2 * kValueRegs + kProducerRegs <= 4 * kLaunchRegs, "register pool");
 constexpr int kBarPFull = 2;    // score warpgroup arrives, value warpgroups wait: the wake-up for P^T (p_full orders)
 constexpr int kBarScore = 3;    // the score warpgroup: q landed; a tile's column maxima; the item's column sums
 
@@ -79,6 +84,8 @@ struct Smem {
   unsigned long long empty[kStages];       // tile consumed: 256 value-thread arrivals
   unsigned long long p_full;               // P^T / alpha published: 128 score-thread arrivals (release)
   unsigned long long p_empty;              // P^T / alpha read: 256 value-thread arrivals (release)
+  unsigned long long stats_full[2];        // item k's row_m / row_l [k % 2] stored: 128 score-thread arrivals
+  unsigned long long stats_empty[2];       // ... and read: 256 value-thread arrivals
   unsigned long long item_full[2];         // the block's item k stored in item[k % 2] (wg::fetch_item_ahead)
   unsigned long long item_empty[2];
   int item[2];
@@ -115,6 +122,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
     mbar_init(&sm.p_full, 128);
     mbar_init(&sm.p_empty, kValueThreads);
     for (int i = 0; i < 2; ++i) {
+      mbar_init(&sm.stats_full[i], 128);
+      mbar_init(&sm.stats_empty[i], kValueThreads);
       mbar_init(&sm.item_full[i], 1);
       mbar_init(&sm.item_empty[i], kThreads);
     }
@@ -129,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
 
   if (tid < 128) {
     // =========================== score warpgroup ===========================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kScoreRegs));
+    wg::set_max_regs<kScoreRegs, kLaunchRegs>();
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     uint32_t seq = 0;   // tiles of this block: buffer seq % 3, phase seq / 3; P^T round seq
     for (int k = 0;; ++k) {
@@ -147,14 +156,24 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         m_run[q] = -INFINITY;
         l_part[q] = 0.f;
       }
-      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
-        const int b = seq % kStages;
-        mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
+      // S^T runs one tile ahead of the softmax, as in the dual kernel: S^T(t + 1) is issued in three pieces between
+      // the parts of tile t's softmax, so that the tensor cores compute it while this warpgroup does the softmax (a
+      // warpgroup that waited for each S^T left the value warpgroups waiting for P^T two thirds of the time, ncu,
+      // PERF_LOG history 103; issuing all 36 at once blocks once a few are queued). No branch between the pieces of
+      // one wgmma group (ptxas would serialise them, C7518 / C7520): the loop runs every tile but the last.
+      float s[kAcc], sn[kAcc];
+      float alpha[kCols], m_use[kCols];
+      auto s_begin = [&](uint32_t tile_seq) {   // the tile landed, fenced into the async proxy
+        const int bt = tile_seq % kStages;
+        mbar_wait(&sm.full[bt], (tile_seq / kStages) & 1);   // every producer thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-        float s[kAcc];
-        km::scores_t<kRows, kSlabBytes, kQSlabBytes>(s, smem_u32(&sm.kv[b][0]), qd);
-        // scale to log2 units, mask (a tile of prefix keys inside the split needs none; warp 3's rows are past the
-        // tile), column maxima
+        return smem_u32(&sm.kv[bt][0]);
+      };
+      // softmax of tile t, part 1: scale to log2 units, mask (a tile of prefix keys inside the split needs none; warp
+      // 3's rows are past the tile), column maxima over the warpgroup, the running maxima and the rescale factors.
+      // The masked loop apart, so that the plain one is a short straight run of code (one loop with a mask test per
+      // value laid the 24 masked paths between the plain ones: instruction-fetch stalls, history 103).
+      auto softmax_max = [&](int t) {
         const int key_base = cx.k0 + t * kTileN;
         const bool plain = key_base + kTileN <= cx.k1 && key_base + kTileN <= cx.rp.p;
         const int key0 = key_base + warp * 16 + g;
@@ -162,26 +181,34 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
 #pragma unroll
         for (int q = 0; q < kCols; ++q) cm[q] = -INFINITY;
         if (warp < kValidWarps) {   // warp-uniform
+          if (plain) {
 #pragma unroll
-          for (int i = 0; i < kAcc; ++i) {
-            const int q = col_q(i);
-            s[i] = plain || key_visible_n(prm, cx, key0 + 8 * row_half(i), row_token(cx, col_of(c, q), H))
-                       ? s[i] * prm.scale_log2
-                       : -INFINITY;
-            cm[q] = fmaxf(cm[q], s[i]);
+            for (int i = 0; i < kAcc; ++i) {
+              s[i] *= prm.scale_log2;
+              cm[col_q(i)] = fmaxf(cm[col_q(i)], s[i]);
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < kAcc; ++i) {
+              const int q = col_q(i);
+              s[i] = key_visible_n(prm, cx, key0 + 8 * row_half(i), row_token(cx, col_of(c, q), H))
+                         ? s[i] * prm.scale_log2
+                         : -INFINITY;
+              cm[q] = fmaxf(cm[q], s[i]);
+            }
           }
         }
 #pragma unroll
         for (int q = 0; q < kCols; ++q)
 #pragma unroll
           for (int off = 4; off < 32; off <<= 1) cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], off));
-        float (&red)[4][kRows] = sm.red[seq & 1];   // (a warp writes this parity again two tiles on, after every
-        if (g == 0) {                               //  warp has passed the next tile's barrier, so after its reads)
+        const uint32_t ts = seq;                  // (a warp writes this parity again two tiles on, after every
+        float (&red)[4][kRows] = sm.red[ts & 1];  //  warp has passed the next tile's barrier, so after its reads)
+        if (g == 0) {
 #pragma unroll
           for (int q = 0; q < kCols; ++q) red[warp][col_of(c, q)] = cm[q];
         }
         bar_sync(kBarScore, 128);
-        float m_use[kCols], alpha[kCols];
 #pragma unroll
         for (int q = 0; q < kCols; ++q) {
           const int col = col_of(c, q);
@@ -191,8 +218,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
           alpha[q] = fast_exp2(m_run[q] - m_use[q]);
           m_run[q] = m_new;
         }
-        // P^T and alpha into shared memory once the value warpgroups are done with the previous tile's (the
-        // block's first tile has no predecessor), the column sums advanced
+      };
+      // part 2: once the value warpgroups are done with the previous tile's P^T and alpha (the block's first tile has
+      // no predecessor), P^T of tile t into shared memory and the column sums advanced
+      auto softmax_p = [&]() {
         if (seq > 0) mbar_wait(&sm.p_empty, (seq - 1) & 1);
         float ps[kCols];
 #pragma unroll
@@ -209,6 +238,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         }
 #pragma unroll
         for (int q = 0; q < kCols; ++q) l_part[q] = l_part[q] * alpha[q] + ps[q];
+      };
+      // part 3: P^T and alpha published: the mbarrier carries the release, the named barrier the wake-up
+      auto publish = [&]() {
         if (warp == 0 && g == 0) {
 #pragma unroll
           for (int q = 0; q < kCols; ++q) sm.alpha[col_of(c, q)] = alpha[q];
@@ -216,6 +248,41 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         fence_proxy_async();   // P^T is read next by wgmma (the async proxy); alpha by plain loads
         mbar_arrive(&sm.p_full);
         bar_arrive(kBarPFull, 128 + kValueThreads);
+      };
+      using K0 = std::integral_constant<int, 0>;
+      using K1 = std::integral_constant<int, kDimQK / 16 / 3>;
+      using K2 = std::integral_constant<int, 2 * kDimQK / 16 / 3>;
+      using K3 = std::integral_constant<int, kDimQK / 16>;
+      if (cx.ntiles > 0) {
+        const uint32_t kv = s_begin(seq);
+        wg::wg_fence();
+        km::scores_t_steps<kRows, kSlabBytes, kQSlabBytes>(s, kv, qd, K0{}, K3{});
+        wg::wg_commit();
+        wg::wg_wait0();
+      }
+      int t = 0;
+      for (; t + 1 < cx.ntiles; ++t, ++seq) {
+        const uint32_t kv = s_begin(seq + 1);
+        wg::wg_fence();
+        km::scores_t_steps<kRows, kSlabBytes, kQSlabBytes>(sn, kv, qd, K0{}, K1{});
+        softmax_max(t);
+        wg::wg_fence();
+        km::scores_t_steps<kRows, kSlabBytes, kQSlabBytes>(sn, kv, qd, K1{}, K2{});
+        softmax_p();
+        wg::wg_fence();
+        km::scores_t_steps<kRows, kSlabBytes, kQSlabBytes>(sn, kv, qd, K2{}, K3{});
+        wg::wg_commit();
+        publish();
+        wg::wg_wait0();
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) s[i] = sn[i];
+      }
+      if (t < cx.ntiles) {   // the last tile
+        softmax_max(t);
+        softmax_p();
+        publish();
+        ++t;
+        ++seq;
       }
 
       // end of the item: the column sums over the warpgroup, the row statistics for the value warpgroups, and for a
@@ -229,6 +296,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         for (int q = 0; q < kCols; ++q) sm.lred[warp][col_of(c, q)] = l_part[q];
       }
       bar_sync(kBarScore, 128);
+      // row_m / row_l [k % 2] held item k - 2's statistics until the value warpgroups read them (stats_empty); they
+      // are published on stats_full (an mbarrier, as racecheck reported a hazard on them across the 384-thread named
+      // barrier that published them in the first version, history 102). lred is written again only after the next
+      // item's barriers.
+      if (k >= 2) mbar_wait(&sm.stats_empty[k & 1], ((k >> 1) - 1) & 1);
       if (warp == 0 && g == 0) {
 #pragma unroll
         for (int q = 0; q < kCols; ++q) {
@@ -237,13 +309,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
           sm.row_l[k & 1][col] = (sm.lred[0][col] + sm.lred[1][col]) + (sm.lred[2][col] + sm.lred[3][col]);
         }
       }
-      bar_sync(kBarBlock, 128 + kValueThreads);   // (lred is written again only after the next item's barriers)
+      mbar_arrive(&sm.stats_full[k & 1]);
+      mbar_wait(&sm.stats_full[k & 1], (k >> 1) & 1);
       if (cx.rp.nsplit > 1 && tid < cx.rows)
         write_partial_lse(prm, cx, H, tid, sm.row_m[k & 1][tid], sm.row_l[k & 1][tid]);
     }
   } else if (tid < kProducer) {
     // =========================== value warpgroups ===========================
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kValueRegs));
+    wg::set_max_regs<kValueRegs, kLaunchRegs>();
     const int v = (tid - 128) >> 7;   // value dims [256 v, 256 v + 256)
     const SmemDesc pd(smem_u32(&sm.p[0]), 16, 1024);
     uint32_t seq = 0;
@@ -284,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
       }
 
       // end of the item: O^T / l as the item's bf16 rows (each thread's 12 rows x 8 dims per value block)
-      bar_sync(kBarBlock, 128 + kValueThreads);   // row_l stored by the score warpgroup
+      mbar_wait(&sm.stats_full[k & 1], (k >> 1) & 1);   // row_l stored by the score warpgroup
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
         const int col = col_of(c, q);
@@ -299,12 +372,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
           }
         }
       }
-      // (row_l[k % 2] is written again at the end of item k + 2, after the score warpgroup's wait for p_empty of
-      // item k + 1's last tile, which these threads pass after these reads)
+      mbar_arrive(&sm.stats_empty[k & 1]);   // row_l [k % 2] read: item k + 2's may be stored
     }
   } else {
     // =========================== producer warpgroup ===========================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    wg::set_max_regs<kProducerRegs, kLaunchRegs>();
     km::key_producer<kRows, kTileN, kStages, kProducerThreads>(sm, prm, tid - kProducer, total, fetch_item);
   }
 #else

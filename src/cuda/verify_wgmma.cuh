@@ -143,6 +143,16 @@ __device__ __forceinline__ SmemT& smem_1k(unsigned char* raw) {
   return *reinterpret_cast<SmemT*>(raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u));
 }
 
+// setmaxnreg from the launch's LaunchRegs registers per thread to Regs: .inc to grow, .dec to shrink (a .dec to more
+// than the warp holds is an illegal instruction; the trans kernel's score warpgroup once did that).
+template <int Regs, int LaunchRegs>
+__device__ __forceinline__ void set_max_regs() {
+  static_assert(Regs != LaunchRegs && Regs % 8 == 0 && Regs >= 24 && Regs <= 256, "setmaxnreg: 24..256, by 8");
+  if constexpr (Regs > LaunchRegs)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
+  else
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -588,20 +598,26 @@ __device__ __forceinline__ int pt_offset(int row, int key) {
   return row * 128 + ((((key >> 3) ^ (row & 7)) << 4) | ((key & 7) << 1));
 }
 
-// S^T of one key tile into s: the 36 k-steps of wgmma m64nNk16, A = the tile at shared address kv ([slab][key][128 B],
-// SlabBytes per slab), B = q (QSlabBytes per slab), then committed and waited for.
-template <int N, int SlabBytes, int QSlabBytes>
-__device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const wg::SmemDesc& qd) {
+// S^T of one key tile into s: k-steps [K0, K1) of the 36 of wgmma m64nNk16, A = the tile at shared address kv
+// ([slab][key][128 B], SlabBytes per slab), B = q (QSlabBytes per slab); the caller fences, commits and waits
+// (scores_t: all 36, committed and waited for).
+template <int N, int SlabBytes, int QSlabBytes, class K0, class K1>
+__device__ __forceinline__ void scores_t_steps(float (&s)[N / 2], uint32_t kv, const wg::SmemDesc& qd, K0, K1) {
   const wg::SmemDesc kd(kv, 16, 1024);
-  wg::wg_fence();
 #pragma unroll
-  for (int ks = 0; ks < kDimQK / 16; ++ks) {
+  for (int ks = K0::value; ks < K1::value; ++ks) {
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
     if (ks > 0) continue;
 #endif
     wgmma_m64nNk16<N, 0>(s, kd.at((ks >> 2) * SlabBytes + (ks & 3) * 32),
                          qd.at((ks >> 2) * QSlabBytes + (ks & 3) * 32), ks > 0);
   }
+}
+template <int N, int SlabBytes, int QSlabBytes>
+__device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const wg::SmemDesc& qd) {
+  wg::wg_fence();
+  scores_t_steps<N, SlabBytes, QSlabBytes>(s, kv, qd, std::integral_constant<int, 0>{},
+                                           std::integral_constant<int, kDimQK / 16>{});
   wg::wg_commit();
   wg::wg_wait0();
 }
