@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
 #   [trans]
 # (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer;
-#  trans: the trans kernel's tests, sanitizers and benchmark against the default kernels, PERF_LOG next step 5)
+#  trans: the trans kernel's tests, sanitizers and benchmark against the default kernels, PERF_LOG history 102-105)
 # (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, wgmma, pingpong, skinny
 #  and trans for every call, the dual for small calls)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
@@ -59,19 +59,21 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
   log "kernel tests, KDTREE_SKINNY=0 (small calls on the dual kernel)"
   KDTREE_SKINNY=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi
-if has trans; then   # the trans kernel (verify_trans.cuh, session 13, never run before): tests, sanitizers, A/B bench
-  # every step under a timeout: a kernel that has never run may hang on a barrier
+if has trans; then   # the trans kernel (verify_trans.cuh, opt-in): tests, sanitizers, A/B bench
+  # every step under a timeout (a barrier protocol change may hang); the device tool brings back only a few files
+  # from $OUT, so the sanitizer logs travel as one archive
   log "kernel tests, KDTREE_SPLIT_KERNEL=trans"
   KDTREE_SPLIT_KERNEL=trans timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_kernel_gpu.py 2>&1 \
     | tail -15
   for tool in memcheck racecheck; do
     for c in small split n1; do
       KDTREE_SPLIT_KERNEL=trans timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
-        python3 benchmarks/sanitize_case.py $c > "$OUT/trans_${tool}_${c}.log" 2>&1
-      echo "trans $tool $c rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "$OUT/trans_${tool}_${c}.log" | tr '\n' ' ')"
-      grep -E "Error|hazard|Race|at 0x" "$OUT/trans_${tool}_${c}.log" | head -4
+        python3 benchmarks/sanitize_case.py $c > "/tmp/trans_${tool}_${c}.log" 2>&1
+      echo "trans $tool $c rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "/tmp/trans_${tool}_${c}.log" | tr '\n' ' ')"
+      grep -E "Error|hazard|Race|at 0x" "/tmp/trans_${tool}_${c}.log" | head -4
     done
   done
+  tar czf "$OUT/trans_sanitize_logs.tgz" -C /tmp $(cd /tmp && ls trans_*_*.log)
   log "bench: default kernels, then KDTREE_SPLIT_KERNEL=trans (same build)"
   timeout 240 python3 benchmarks/bench.py --no-sglang --out "$OUT/bench_default.json" 2>&1 | tee "$OUT/bench_default.log" | grep -v "^\["
   KDTREE_SPLIT_KERNEL=trans timeout 240 python3 benchmarks/bench.py --no-sglang --out "$OUT/bench_trans.json" 2>&1 \
