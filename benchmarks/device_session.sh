@@ -8,6 +8,8 @@
 #  and trans for every call, the dual for small calls)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
+# The device tool brings back only a handful of files from $OUT (session 14: 8 came back, the rest were "left out"), so
+# the stages that write many logs archive them into one.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kdtree-out}
@@ -83,11 +85,12 @@ if has sanitize; then
   for tool in memcheck racecheck; do
     for c in small split many reuse n1; do
       log "compute-sanitizer $tool $c"
-      compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "$OUT/sanitize_${tool}_${c}.log" 2>&1
-      echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "$OUT/sanitize_${tool}_${c}.log" | tr '\n' ' ')"
-      grep -E "Error|hazard|Race|at 0x" "$OUT/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
+      compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "/tmp/sanitize_${tool}_${c}.log" 2>&1
+      echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "/tmp/sanitize_${tool}_${c}.log" | tr '\n' ' ')"
+      grep -E "Error|hazard|Race|at 0x" "/tmp/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
     done
   done
+  tar czf "$OUT/sanitize_logs.tgz" -C /tmp $(cd /tmp && ls sanitize_*_*.log)   # one file back, not ten
 fi
 if has ncu; then
   log ncu
