@@ -47,10 +47,10 @@ using wg::kValueThreads;
 
 constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
 constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups
+constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads per SM
 constexpr int kScoreRegs = 88;                 // setmaxnreg: 2 x 88 + 2 x 168 = 512 = 4 x 128 (the launch's)
 constexpr int kValueRegs = 168;
-static_assert(2 * kScoreRegs + 2 * kValueRegs <= 4 * 128 && kScoreRegs % 8 == 0 && kValueRegs % 8 == 0,
-              "register pool");
+static_assert(2 * kScoreRegs + 2 * kValueRegs <= 4 * kLaunchRegs, "register pool");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 constexpr int kQFirst = wg::kQFirst;
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 
   if (warp < 8) {
     // =========================== score warpgroups ===========================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kScoreRegs));
+    wg::set_max_regs<kScoreRegs, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u, lf_parity = 0u;
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     }
   } else {
     // =========================== value warpgroups ===========================
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kValueRegs));
+    wg::set_max_regs<kValueRegs, kLaunchRegs>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;

@@ -154,10 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
           s[i] = plain || key_visible_n(prm, cx, key0 + 8 * ((i >> 1) & 1), rn[q]) ? s[i] * prm.scale_log2 : -INFINITY;
           cm[q] = fmaxf(cm[q], s[i]);
         }
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-          for (int off = 4; off < 32; off <<= 1) cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], off));
+        km::reduce_over_key_rows(cm, km::fmax_op);
         if (g == 0) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) sm.red[warp][col_of(c, q)] = cm[q];
@@ -200,10 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       }
 
       // end of the item: the column sums over the warpgroup, O^T / l staged as the item's bf16 rows, then stored
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) l_part[q] += __shfl_xor_sync(0xffffffffu, l_part[q], off);
+      km::reduce_over_key_rows(l_part, km::add_op);
       if (g == 0) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) sm.lred[warp][col_of(c, q)] = l_part[q];

@@ -198,12 +198,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
             }
           }
         }
-#pragma unroll
-        for (int q = 0; q < kCols; ++q)
-#pragma unroll
-          for (int off = 4; off < 32; off <<= 1) cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], off));
-        const uint32_t ts = seq;                  // (a warp writes this parity again two tiles on, after every
-        float (&red)[4][kRows] = sm.red[ts & 1];  //  warp has passed the next tile's barrier, so after its reads)
+        km::reduce_over_key_rows(cm, km::fmax_op);
+        float (&red)[4][kRows] = sm.red[seq & 1];   // (a warp writes this parity again two tiles on, after every
+                                                    //  warp has passed the next tile's barrier, so after its reads)
         if (g == 0) {
 #pragma unroll
           for (int q = 0; q < kCols; ++q) red[warp][col_of(c, q)] = cm[q];
@@ -281,16 +278,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_trans_kernel(
         softmax_max(t);
         softmax_p();
         publish();
-        ++t;
         ++seq;
       }
 
       // end of the item: the column sums over the warpgroup, the row statistics for the value warpgroups, and for a
       // split request each row's partial log2-sum-exp
-#pragma unroll
-      for (int q = 0; q < kCols; ++q)
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) l_part[q] += __shfl_xor_sync(0xffffffffu, l_part[q], off);
+      km::reduce_over_key_rows(l_part, km::add_op);
       if (g == 0) {
 #pragma unroll
         for (int q = 0; q < kCols; ++q) sm.lred[warp][col_of(c, q)] = l_part[q];

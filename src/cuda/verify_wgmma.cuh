@@ -592,6 +592,18 @@ __device__ __forceinline__ int row_half(int i) { return (i >> 1) & 1; }
 __device__ __forceinline__ int col_of(int c, int q) { return 2 * c + (q & 1) + 8 * (q >> 1); }
 __device__ __forceinline__ int acc_index(int q, int h) { return 4 * (q >> 1) + 2 * h + (q & 1); }
 
+// A value per accumulator column (query row) of the thread's K, reduced over the 8 key rows g of the warp (the lanes
+// 4 apart: same c): the column maxima and sums before they meet over the warpgroup's 4 warps in shared memory.
+template <int K, class Op>
+__device__ __forceinline__ void reduce_over_key_rows(float (&v)[K], Op op) {
+#pragma unroll
+  for (int q = 0; q < K; ++q)
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) v[q] = op(v[q], __shfl_xor_sync(0xffffffffu, v[q], off));
+}
+__device__ __forceinline__ float fmax_op(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float add_op(float a, float b) { return a + b; }
+
 // Byte offset of P^T's element (query row, key) in [row][64 keys] bf16 rows of 128 bytes, 128-byte swizzle (the B
 // operand of O^T, K-major).
 __device__ __forceinline__ int pt_offset(int row, int key) {
