@@ -67,7 +67,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200;
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh); KDTREE_SPLIT_KERNEL=trans the transposed kernel with
-// 48-row items (verify_trans.cuh, session 13: compile-checked, not yet run on a device).
+// 48-row items (verify_trans.cuh: slower than the default on every shape measured, session 14; never chosen).
 enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94 };
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
 // - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
