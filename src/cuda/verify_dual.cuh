@@ -101,8 +101,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
   const int g = lane >> 2;
   const int c = lane & 3;
   const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
+  KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;
 
@@ -269,7 +271,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     for (int k = 0;; ++k) {
       mbar_wait(&sm.item_full, k & 1);   // the score side's item fetch (acquire)
       const int item = sm.item[k & 1];
-      if (item >= total) return;
+      if (item >= total) {
+        KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
+        return;
+      }
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();

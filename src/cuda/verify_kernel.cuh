@@ -238,16 +238,23 @@ __device__ __forceinline__ void grid_dependency_launch_dependents() {
 // griddepcontrol.wait and of its last block's end; the combine's last block prints them (ns from the
 // first start) and resets them for the next call. benchmarks/timeline_case.py runs it in a CUDA graph.
 #ifdef KDTREE_EXP_TIMELINE
-__device__ unsigned long long g_timeline[4][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}};
+// [4]: inside the combine, the latest block's (plan read, partials summed, row stored) of its first work
+__device__ unsigned long long g_timeline[5][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0},
+                                                  {0, 0, 0}};
 __device__ unsigned g_timeline_done = 0;
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-#define KDTREE_TIMELINE(k, e) \
-  do { if (threadIdx.x == 0) { if (e == 2) atomicMax(&g_timeline[k][2], global_ns()); else atomicMin(&g_timeline[k][e], global_ns()); } } while (0)
+#define KDTREE_TIMELINE_BY(cond, k, e) \
+  do { if (cond) { if (e == 2) atomicMax(&g_timeline[k][2], global_ns()); else atomicMin(&g_timeline[k][e], global_ns()); } } while (0)
+#define KDTREE_TIMELINE(k, e) KDTREE_TIMELINE_BY(threadIdx.x == 0, k, e)
+#define KDTREE_TIMELINE_LATEST(e) \
+  do { if (threadIdx.x == 0) atomicMax(&g_timeline[4][e], global_ns()); } while (0)
 #else
+#define KDTREE_TIMELINE_LATEST(e) do { } while (0)
+#define KDTREE_TIMELINE_BY(cond, k, e) do { } while (0)
 #define KDTREE_TIMELINE(k, e) do { } while (0)
 #endif
 
@@ -1084,6 +1091,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;   // block-uniform
     const int slices = combine_slices(rp.nsplit);
     if (slice >= slices) continue;                                                  // block-uniform
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
     const int cols = kDimNope / slices;       // value columns of this block
     const int lanes = cols / 8;               // threads per split row (8 columns each)
     const int groups = kCombineThreads / lanes;
@@ -1128,6 +1136,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       }
       m_run = m_new;
     }
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
     // to the block maximum, then the groups' sums in a fixed order
     const float m_blk = combine_block_max(m_run, s_red);
     const float sc = m_run == -INFINITY ? 0.f : exp2f(m_run - m_blk);
@@ -1147,6 +1156,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
           pack_bf16(v0 * inv, v1 * inv);
     }
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
   }
 #ifdef KDTREE_EXP_TIMELINE
   KDTREE_TIMELINE(3, 2);
@@ -1154,12 +1164,15 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   if (threadIdx.x == 0 && atomicAdd(&g_timeline_done, 1u) == gridDim.x - 1) {
     unsigned long long t0 = ~0ull;
     for (int k = 0; k < 4; ++k) t0 = min(t0, g_timeline[k][0]);
-    printf("TIMELINE us from the first start: mask %.2f %.2f %.2f | plan %.2f %.2f %.2f | split %.2f %.2f %.2f | combine %.2f %.2f %.2f\n",
+    printf("TIMELINE us from the first start: mask %.2f %.2f %.2f | plan %.2f %.2f %.2f | split %.2f %.2f %.2f | combine %.2f %.2f %.2f"
+           " (latest plan read %.2f, summed %.2f, stored %.2f)\n",
            (double)(g_timeline[0][0] - t0) * 1e-3, (double)(g_timeline[0][1] - t0) * 1e-3, (double)(g_timeline[0][2] - t0) * 1e-3,
            (double)(g_timeline[1][0] - t0) * 1e-3, (double)(g_timeline[1][1] - t0) * 1e-3, (double)(g_timeline[1][2] - t0) * 1e-3,
            (double)(g_timeline[2][0] - t0) * 1e-3, (double)(g_timeline[2][1] - t0) * 1e-3, (double)(g_timeline[2][2] - t0) * 1e-3,
-           (double)(g_timeline[3][0] - t0) * 1e-3, (double)(g_timeline[3][1] - t0) * 1e-3, (double)(g_timeline[3][2] - t0) * 1e-3);
+           (double)(g_timeline[3][0] - t0) * 1e-3, (double)(g_timeline[3][1] - t0) * 1e-3, (double)(g_timeline[3][2] - t0) * 1e-3,
+           (double)(g_timeline[4][0] - t0) * 1e-3, (double)(g_timeline[4][1] - t0) * 1e-3, (double)(g_timeline[4][2] - t0) * 1e-3);
     for (int k = 0; k < 4; ++k) { g_timeline[k][0] = g_timeline[k][1] = ~0ull; g_timeline[k][2] = 0; }
+    g_timeline[4][0] = g_timeline[4][1] = g_timeline[4][2] = 0;
     g_timeline_done = 0;
   }
 #endif

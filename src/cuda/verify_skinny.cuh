@@ -34,8 +34,18 @@ using wg::kSlabDims;       // 64
 using wg::kChunksPerKey;   // 72 chunks of 16 bytes per key
 
 constexpr int kRows = 16;                          // rows per item: the wgmma N
-constexpr int kTileN = 64;                         // keys per tile: the wgmma M
-constexpr int kStages = 2;
+// Keys per tile (experiment switch, session 15): 64 (the wgmma M; 2 stages of 72 KB fit beside q), 48 (3 stages of
+// 54 KB) or 32 (4 of 36 KB). Below 64 the products still run as m64: S^T reads 64 key rows, the tile's TileN and then
+// the first 64 - TileN rows of the next slab (of the last slab: a zeroed pad after each stage, so no product reads a
+// buffer in flight), and the warps whose 16 rows lie past TileN take them as invisible; O^T takes TileN / 16 k-steps.
+#ifndef KDTREE_SKINNY_TILE
+#define KDTREE_SKINNY_TILE 64
+#endif
+constexpr int kTileN = KDTREE_SKINNY_TILE;
+static_assert(kTileN == 64 || kTileN == 48 || kTileN == 32, "64-, 48- or 32-key tiles");
+constexpr int kStages = kTileN == 64 ? 2 : kTileN == 48 ? 3 : 4;
+constexpr int kMmaM = 64;                          // the wgmma M of both products
+constexpr int kValidWarps = kTileN / 16;           // warps whose S^T rows are keys of the tile
 // Experiment switch (session 12): threads of the producer (128: one warpgroup; 256: two)
 #ifndef KDTREE_SKINNY_PRODUCERS
 #define KDTREE_SKINNY_PRODUCERS 128
@@ -43,18 +53,20 @@ constexpr int kStages = 2;
 constexpr int kConsumerThreads = 128;
 constexpr int kProducerThreads = KDTREE_SKINNY_PRODUCERS;
 constexpr int kThreads = kConsumerThreads + kProducerThreads;   // consumer + producer warpgroups
-constexpr int kSlabBytes = kTileN * 128;           // 8,192: one 64-dim slab of a tile
-constexpr int kTileBytes = kSlabs * kSlabBytes;    // 73,728
+constexpr int kSlabBytes = kTileN * 128;           // 8,192 at 64 keys: one 64-dim slab of a tile
+constexpr int kTileBytes = kSlabs * kSlabBytes;    // 73,728 at 64 keys
+constexpr int kPadBytes = (kMmaM - kTileN) * 128;  // read by the last slab's S^T past the tile (zeros)
+constexpr int kStageBytes = kTileBytes + kPadBytes;
 constexpr int kQSlabBytes = kRows * 128;           // 2,048
 constexpr int kPvSteps = kTileN / 16;              // 4
 constexpr int kVBlocks = kDimNope / kSlabDims;     // 8 blocks of 64 value dims
 static_assert(kProducerThreads % 128 == 0 && kProducerThreads <= 256, "whole producer warpgroups, at most two");
 constexpr int kBarConsumer = 1;                    // named barrier of the consumer warpgroup (0 is __syncthreads)
 
-static_assert(kTileN == 64 && kRows == 16, "one wgmma m64n16k16 per k-step of either product");
+static_assert(kMmaM == 64 && kRows == 16, "one wgmma m64n16k16 per k-step of either product");
 
 struct Smem {
-  unsigned char kv[kStages][kTileBytes];   // 147,456: [stage][slab][key][128 B] (the struct sits on a 1 KB boundary)
+  unsigned char kv[kStages][kStageBytes];  // 147,456 at 64 keys: [stage][slab][key][128 B] + pad (1 KB boundary)
   unsigned char q[kSlabs * kQSlabBytes];   // 18,432: q of the item, [slab][row][128 B]
   unsigned char p[kRows * 128];            // P^T of the latest tile: [row][64 keys], 128-byte swizzle
   __nv_bfloat16 stage[kRows * kDimNope];   // the item's result rows, staged for 16-byte stores
@@ -69,7 +81,8 @@ struct Smem {
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
-static_assert(kTileBytes % 1024 == 0 && (kSlabs * kQSlabBytes) % 1024 == 0, "q and P^T on 1 KB swizzle atoms");
+static_assert(kSlabBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (kSlabs * kQSlabBytes) % 1024 == 0,
+              "slabs, stages and q on 1 KB swizzle atoms");
 
 using km::col_of;   // the accumulator mapping of kernels with the keys as the wgmma M (verify_wgmma.cuh)
 using km::col_q;
@@ -79,8 +92,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
+  KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;
 
@@ -94,6 +109,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       mbar_init(&sm.item_empty[i], kThreads);
     }
     fence_proxy_async();
+  }
+  if constexpr (kPadBytes > 0) {   // the pads are read by S^T (scores of no key): zeros, written once
+    constexpr int kPadChunks = kPadBytes > 0 ? kPadBytes / 16 : 1;
+    for (int i = tid; i < kStages * kPadChunks; i += kThreads) {
+      const int b = i / kPadChunks, o = i - b * kPadChunks;
+      *reinterpret_cast<uint4*>(&sm.kv[b][kTileBytes + o * 16]) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();   // read by wgmma (the async proxy)
   }
   __syncthreads();
 
@@ -111,10 +134,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
     const int c = lane & 3;
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     const SmemDesc pd(smem_u32(&sm.p[0]), 16, 1024);
-    uint32_t seq = 0;   // tiles consumed by this block: buffer seq % 2, phase seq / 2
+    uint32_t seq = 0;   // tiles consumed by this block: buffer seq % kStages, phase seq / kStages
     for (int k = 0;; ++k) {
       const int item = fetch_item(k);
-      if (item >= total) return;
+      if (item >= total) {
+        KDTREE_TIMELINE(2, 2);   // (the consumer's last stores are issued)
+        return;
+      }
       const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads);
       cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
@@ -137,8 +163,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         for (int i = 0; i < 8; ++i) o[mb][i] = 0.f;
 
       for (int t = 0; t < cx.ntiles; ++t, ++seq) {
-        const int b = seq & 1;
-        mbar_wait(&sm.full[b], (seq >> 1) & 1);   // every producer thread's copies landed
+        const int b = seq % kStages;
+        mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         const uint32_t kv = smem_u32(&sm.kv[b][0]);
         float s[8];
@@ -151,7 +177,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int q = col_q(i);
-          s[i] = plain || key_visible_n(prm, cx, key0 + 8 * ((i >> 1) & 1), rn[q]) ? s[i] * prm.scale_log2 : -INFINITY;
+          s[i] = warp < kValidWarps && (plain || key_visible_n(prm, cx, key0 + 8 * ((i >> 1) & 1), rn[q]))
+                     ? s[i] * prm.scale_log2
+                     : -INFINITY;
           cm[q] = fmaxf(cm[q], s[i]);
         }
         km::reduce_over_key_rows(cm, km::fmax_op);
