@@ -58,6 +58,8 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
   KDTREE_SPLIT_KERNEL=skinny python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=trans (sm_90a, 48-row items, keys as the wgmma M, for every call)"
   KDTREE_SPLIT_KERNEL=trans python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests, KDTREE_MIXED=1 (a last row tile of <= 16 rows as skinny items beside the dual kernel)"
+  KDTREE_MIXED=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SKINNY=0 (small calls on the dual kernel)"
   KDTREE_SKINNY=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi

@@ -130,7 +130,10 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * (num_tokens a multiple of batch_size and num_heads * num_tokens / batch_size <= 16 beside the dual kernel,
  * <= 32 beside the 2-stage one; see kdtree_verify_call_kernel) run a kernel shaped for them: the skinny
  * kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and the 2-stage kernel's 32-row
- * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off).
+ * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off). Beside the dual kernel, a call
+ * whose requests' last 64-row tile has at most 16 rows (H16 N9: 64 + 64 + 16) runs that tile as skinny items on
+ * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in: ~3% faster at
+ * H16 N9 with long prefixes, slower on other shapes; session 15).
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
  * =pingpong, =skinny or =trans select the other sm_90a kernels for every call (one score warpgroup, verify_wgmma.cuh;
@@ -147,7 +150,9 @@ int kdtree_verify_split_kernel(int* kernel);
 
 /* The split kernel a call of this batch size, token count and head count runs on the current device:
  * the device's (above), except that where it is 92 a call of num_heads * num_tokens / batch_size <= 16 rows per
- * request runs 93, the skinny kernel (KDTREE_SKINNY=0: never), and where it is 2 a call of <= 32 rows per request
+ * request runs 93, the skinny kernel (KDTREE_SKINNY=0: never), one whose last 64-row tile per request has <= 16
+ * rows runs 95, the dual kernel with that tile on the skinny one (only with KDTREE_MIXED=1), and
+ * where it is 2 a call of <= 32 rows per request
  * runs 4, its 32-row shape (KDTREE_MMA_HALVES=0: never); a call whose num_tokens is not a multiple of batch_size
  * runs the device's kernel. The choice takes every request to have num_tokens / batch_size verify tokens (SGLang's
  * verify batches), so a request's result is the same, bit for bit, alone and in any batch of requests with its

@@ -102,8 +102,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
   const int c = lane & 3;
   const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
   KDTREE_TIMELINE(2, 0);
-  grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  // after the wait: in a mixed call the next kernel is the skinny one, which reads the plan as soon as it starts
+  // (verify_skinny.cuh, Rem)
+  grid_dependency_launch_dependents();
   KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;

@@ -80,6 +80,13 @@ constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd 
 #define KDTREE_MIN_CHUNK 256
 #endif
 constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
+// Mixed calls (ReqPlan): a last row tile of at most kMixedRemRows rows runs as skinny items of kMixedTileN-key tiles
+// (verify_skinny.cuh's kRows and kTileN, asserted there).
+#ifndef KDTREE_SKINNY_TILE   // the skinny kernel's tile (an experiment switch there)
+#define KDTREE_SKINNY_TILE 64
+#endif
+constexpr int kMixedRemRows = 16;
+constexpr int kMixedTileN = KDTREE_SKINNY_TILE;
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
@@ -122,7 +129,15 @@ struct ReqPlan {
   int n;             // verify tokens N
   int kv_begin;      // first entry of kv_indices
   int p;             // prefix length P
-  long long partial_row;  // first partial row (only when nsplit > 1)
+  long long partial_row;  // first partial row (only when nsplit > 1 or nsplit_s > 1)
+  // A mixed call (Params::mixed, sm_90a): a request whose last row tile has <= 16 rows runs the other row tiles as
+  // the split kernel's items (rows [0, rows_f), mtiles tiles, nsplit splits) and that last tile as nsplit_s skinny
+  // items (verify_skinny.cuh, remainder mode, numbered from item_begin_s), which share its cells_s cells of 64 keys
+  // (rem_tile). Otherwise rows_f is every row and nsplit_s 0.
+  int rows_f;
+  int nsplit_s;
+  int cells_s;
+  int item_begin_s;
 };
 
 // The exchange between the two score warps of a row block (MmaShape KeyHalves 2), on mbarriers: their row maxima
@@ -189,8 +204,11 @@ struct Params {
   int block_m;        // rows per work item of the split kernel that runs (48 mma.sync, 64 wgmma, 16 skinny)
   int tile_n;         // keys per pipeline tile of that kernel (32; 64 skinny): splits are whole tiles
   long long max_partial_rows;
+  int mixed;          // remainder row tiles of <= 16 rows run as skinny items beside the split kernel (ReqPlan)
+  int split_target_s; // skinny items a long request's remainder tile is cut into (mixed calls)
   // workspace views
-  int* counter;       // [3]: dynamic work counter, total items, the combine's slice count (max over rows)
+  int* counter;       // [5]: dynamic work counter, total items, the combine's slice count (max over rows), total
+                      // skinny items and their work counter (mixed calls)
   const __nv_bfloat16* zero_row;  // [576] zeros: the source of keys past a split's end
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
@@ -270,7 +288,7 @@ constexpr int kPlanThreads = 256;
 
 // The plan of request b alone (item_begin and partial_row are the caller's scan): its lengths, row tiles,
 // splits and chunk; `items` its work items, `rows` its partial rows (0 when it is not split).
-__device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& items, long long& rows) {
+__device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& items, long long& rows, int& items_s) {
   ReqPlan rp = {};
   const int qb = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b);
   const int qe = (int)load_index(prm.qo_indptr, prm.qo_indptr_64, b + 1);
@@ -283,6 +301,13 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
   const int len = rp.p + rp.n;
   const int r = rp.n * prm.heads;
   rp.mtiles = (r + prm.block_m - 1) / prm.block_m;
+  rp.rows_f = r;
+  const int rem = r % prm.block_m;
+  const bool skinny_rem = prm.mixed && r > prm.block_m && rem > 0 && rem <= kMixedRemRows;
+  if (skinny_rem) {
+    rp.mtiles = r / prm.block_m;
+    rp.rows_f = rp.mtiles * prm.block_m;
+  }
   int nsplit = 1;
   if (rp.mtiles > 0) {
     const int by_len = (len + kMinChunk - 1) / kMinChunk;
@@ -295,22 +320,43 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
   rp.nsplit = nsplit;
   rp.chunk = chunk;
   items = rp.mtiles * nsplit;
-  rows = nsplit > 1 ? (long long)nsplit * r : 0;
+  rows = nsplit > 1 ? (long long)nsplit * rp.rows_f : 0;
+  items_s = 0;
+  if (skinny_rem) {
+    rp.cells_s = nsplit * ((chunk + kMixedTileN - 1) / kMixedTileN);
+    const int ns = max(1, min(min((len + kMinChunk - 1) / kMinChunk, prm.split_target_s), rp.cells_s));
+    rp.nsplit_s = ns;
+    items_s = ns;
+    if (ns > 1) rows += (long long)ns * (r - rp.rows_f);
+  }
   return rp;
 }
 
+// Partial row of request-local row rr, split `split` (of the row's own kind: the split kernel's rows [0, rows_f), then
+// the remainder's skinny splits after all of theirs).
+__device__ __forceinline__ long long partial_index(const ReqPlan& rp, int heads, int rr, int split) {
+  if (rr < rp.rows_f) return rp.partial_row + (long long)split * rp.rows_f + rr;
+  const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
+  return base + (long long)split * (rp.n * heads - rp.rows_f) + (rr - rp.rows_f);
+}
+// How many splits request-local row rr's keys were cut into (1: its item wrote the output row).
+__device__ __forceinline__ int row_nsplit(const ReqPlan& rp, int rr) { return rr < rp.rows_f ? rp.nsplit : rp.nsplit_s; }
+
 // The plan's totals for the split and combine kernels: the work counter reset, the item count, and the
 // combine's loop bound from the largest split count of any request.
-__device__ __forceinline__ void write_plan_totals(const Params& prm, int items, int max_nsplit) {
+__device__ __forceinline__ void write_plan_totals(const Params& prm, int items, int max_nsplit, int items_s) {
   prm.counter[0] = 0;
   prm.counter[1] = items;
   prm.counter[2] = combine_slices(max_nsplit);
+  prm.counter[3] = items_s;
+  prm.counter[4] = 0;
 }
 
 __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params prm) {
   __shared__ int s_items[kPlanThreads];
+  __shared__ int s_items_s[kPlanThreads];
   __shared__ long long s_rows[kPlanThreads];
-  __shared__ int s_carry_items;
+  __shared__ int s_carry_items, s_carry_items_s;
   __shared__ int s_max_nsplit;
   __shared__ long long s_carry_rows;
   const int tid = threadIdx.x;
@@ -322,34 +368,38 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
   if (KDTREE_PLAN_WARP && prm.batch <= 32) {   // one warp: shuffle scans, no block barriers (the split waits on this)
     if (tid < 32) {
-      int items = 0;
+      int items = 0, items_s = 0;
       long long rows = 0;
       ReqPlan rp = {};
-      if (tid < prm.batch) rp = request_plan(prm, tid, items, rows);
-      int inc_items = items, max_nsplit = tid < prm.batch ? rp.nsplit : 1;
+      if (tid < prm.batch) rp = request_plan(prm, tid, items, rows, items_s);
+      int inc_items = items, inc_items_s = items_s, max_nsplit = tid < prm.batch ? max(rp.nsplit, rp.nsplit_s) : 1;
       long long inc_rows = rows;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
         const int vi = __shfl_up_sync(0xffffffffu, inc_items, off);
+        const int vs = __shfl_up_sync(0xffffffffu, inc_items_s, off);
         const long long vr = __shfl_up_sync(0xffffffffu, inc_rows, off);
         if (tid >= off) {
           inc_items += vi;
+          inc_items_s += vs;
           inc_rows += vr;
         }
         max_nsplit = max(max_nsplit, __shfl_xor_sync(0xffffffffu, max_nsplit, off));
       }
       if (tid < prm.batch) {
         rp.item_begin = inc_items - items;
+        rp.item_begin_s = inc_items_s - items_s;
         rp.partial_row = inc_rows - rows;
         prm.plan[tid] = rp;
       }
-      if (tid == 31) write_plan_totals(prm, inc_items, max_nsplit);
+      if (tid == 31) write_plan_totals(prm, inc_items, max_nsplit, inc_items_s);
     }
     KDTREE_TIMELINE(1, 2);
     return;
   }
   if (tid == 0) {
     s_carry_items = 0;
+    s_carry_items_s = 0;
     s_max_nsplit = 1;
     s_carry_rows = 0;
   }
@@ -357,37 +407,42 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   for (int base = 0; base < prm.batch; base += kPlanThreads) {
     const int b = base + tid;
     ReqPlan rp = {};
-    int items = 0;
+    int items = 0, items_s = 0;
     long long rows = 0;
     if (b < prm.batch) {
-      rp = request_plan(prm, b, items, rows);
-      atomicMax(&s_max_nsplit, rp.nsplit);
+      rp = request_plan(prm, b, items, rows, items_s);
+      atomicMax(&s_max_nsplit, max(rp.nsplit, rp.nsplit_s));
     }
     s_items[tid] = items;
+    s_items_s[tid] = items_s;
     s_rows[tid] = rows;
     __syncthreads();
     // Hillis-Steele inclusive scan over a chunk of 256 requests.
     for (int off = 1; off < kPlanThreads; off <<= 1) {
       const int vi = tid >= off ? s_items[tid - off] : 0;
+      const int vs = tid >= off ? s_items_s[tid - off] : 0;
       const long long vr = tid >= off ? s_rows[tid - off] : 0;
       __syncthreads();
       s_items[tid] += vi;
+      s_items_s[tid] += vs;
       s_rows[tid] += vr;
       __syncthreads();
     }
     if (b < prm.batch) {
       rp.item_begin = s_carry_items + s_items[tid] - items;
+      rp.item_begin_s = s_carry_items_s + s_items_s[tid] - items_s;
       rp.partial_row = s_carry_rows + s_rows[tid] - rows;
       prm.plan[b] = rp;
     }
     __syncthreads();
     if (tid == kPlanThreads - 1) {
       s_carry_items += s_items[tid];
+      s_carry_items_s += s_items_s[tid];
       s_carry_rows += s_rows[tid];
     }
     __syncthreads();
   }
-  if (tid == 0) write_plan_totals(prm, s_carry_items, s_max_nsplit);
+  if (tid == 0) write_plan_totals(prm, s_carry_items, s_max_nsplit, s_carry_items_s);
   KDTREE_TIMELINE(1, 2);
 }
 
@@ -510,8 +565,50 @@ __device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
 // The block's k-th work item: block i starts with item i (no atomic on the way to the first tile, session 10),
 // later ones come from the plan's counter (reset to 0 by the plan kernel and by every combine), after the
 // grid's first items.
+template <int Counter = 0>   // 4: the skinny remainder items of a mixed call
 __device__ __forceinline__ int claim_item(const Params& prm, int k) {
-  return k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(prm.counter, 1);
+  return k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(prm.counter + Counter, 1);
+}
+
+// A request's plan read from L2 (ld.global.cg): the skinny kernel of a mixed call reads the plan without a
+// griddepcontrol.wait (it runs beside the split kernel, which waited for the plan kernel before it let it start).
+__device__ __forceinline__ ReqPlan load_plan_cg(const ReqPlan* src) {
+  static_assert(sizeof(ReqPlan) % 8 == 0 && alignof(ReqPlan) == 8, "whole 8-byte words");
+  unsigned long long v[sizeof(ReqPlan) / 8];
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(ReqPlan) / 8); ++i) v[i] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + i);
+  ReqPlan rp;
+  memcpy(&rp, v, sizeof(rp));
+  return rp;
+}
+
+// A mixed call's skinny item `item` (of the remainder row tiles, ReqPlan::item_begin_s): its request and index
+// among the request's nsplit_s. The request's keys are cut into cells: cell g is the (g / nsplit)-th 64-key tile of
+// the split kernel's split g % nsplit (cells_s of them, offset-major), and item j takes cells j, j + nsplit_s, ...
+// (rem_tile): at any time it reads the keys at about the offset that the split kernel's items are reading in each of
+// their splits, so the keys it shares with them come from L2 (session 15: one contiguous range per item, walked at
+// the split kernel's offsets over the two or three splits it spans, fell behind them and read ~35 ns per key, where
+// nine skinny items reading together had taken ~25).
+__device__ __forceinline__ ItemCtx item_ctx_rem(const Params& prm, int item) {
+  ItemCtx cx;
+  const int b = owning_request(prm.batch, item, [&](int q) { return __ldcg(&prm.plan[q].item_begin_s); });
+  cx.rp = load_plan_cg(prm.plan + b);
+  cx.split = item - cx.rp.item_begin_s;
+  cx.mtile = cx.rp.mtiles;
+  cx.row0 = cx.rp.rows_f;
+  cx.rows = cx.rp.n * prm.heads - cx.row0;
+  cx.k0 = 0;
+  cx.k1 = cx.rp.p + cx.rp.n;
+  cx.ntiles = (cx.rp.cells_s - cx.split + cx.rp.nsplit_s - 1) / cx.rp.nsplit_s;   // cells, some of them empty
+  return cx;
+}
+// Cell t of a remainder item: keys [kb, ke) (empty when kb >= ke: past the request's last key).
+__device__ __forceinline__ void rem_tile(const ItemCtx& cx, int t, int& kb, int& ke) {
+  const int g = cx.split + t * cx.rp.nsplit_s;
+  const int o = g / cx.rp.nsplit;
+  const int s0 = (g - o * cx.rp.nsplit) * cx.rp.chunk;
+  kb = s0 + o * kMixedTileN;
+  ke = min(min(kb + kMixedTileN, s0 + cx.rp.chunk), cx.k1);
 }
 
 // Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
@@ -630,8 +727,7 @@ __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[
 
 // The partial log2-sum-exp of tile row r of a split request's item (-inf for a row that saw no key).
 __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemCtx& cx, int H, int r, float m, float l) {
-  const long long prow = cx.rp.partial_row + (long long)cx.split * cx.rp.n * H + cx.row0 + r;
-  prm.partial_lse[prow] = l > 0.f ? m + log2f(l) : -INFINITY;
+  prm.partial_lse[partial_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
 // A thread's partial row sums of its two rows (a quad of threads holds each row's columns) reduced over the quad.
@@ -670,8 +766,7 @@ __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx
 // Where tile row r of the item goes: its partial row (split requests) or the output row.
 __device__ __forceinline__ __nv_bfloat16* result_row(const Params& prm, const ItemCtx& cx, int r) {
   const int rr = cx.row0 + r;
-  if (cx.rp.nsplit > 1)
-    return prm.partial_o + (cx.rp.partial_row + (long long)cx.split * cx.rp.n * prm.heads + rr) * kDimNope;
+  if (row_nsplit(cx.rp, rr) > 1) return prm.partial_o + partial_index(cx.rp, prm.heads, rr, cx.split) * kDimNope;
   const int n = rr / prm.heads, h = rr - n * prm.heads;
   return prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
 }
@@ -1077,7 +1172,10 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   const int tid = threadIdx.x;
   // the split pass is over: reset its work counter, so that the next call on this workspace may run on
   // the same plan without the plan kernel (kdtree_verify_params.reuse_plan)
-  if (blockIdx.x == 0 && tid == 0) prm.counter[0] = 0;
+  if (blockIdx.x == 0 && tid == 0) {
+    prm.counter[0] = 0;
+    prm.counter[4] = 0;   // the skinny items' work counter (mixed calls)
+  }
   // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
   // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
   // a skipped iteration, not a launched block
@@ -1088,31 +1186,34 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     const int gr = (int)(w - slice * rows);   // global row = t * H + h
     const int t = gr / prm.heads, h = gr - t * prm.heads;
     const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
-    if (rp.nsplit <= 1 || t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;   // block-uniform
-    const int slices = combine_slices(rp.nsplit);
+    if (t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;                      // block-uniform
+    const int r = (t - rp.qo_begin) * prm.heads + h;
+    const int nsplit = row_nsplit(rp, r);   // the row's own kind: split kernel rows or a skinny remainder's
+    if (nsplit <= 1) continue;                                                      // block-uniform
+    const int slices = combine_slices(nsplit);
     if (slice >= slices) continue;                                                  // block-uniform
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
     const int cols = kDimNope / slices;       // value columns of this block
     const int lanes = cols / 8;               // threads per split row (8 columns each)
     const int groups = kCombineThreads / lanes;
-    const long long r = (long long)(t - rp.qo_begin) * prm.heads + h;
-    const long long rstride = (long long)rp.n * prm.heads;
+    const long long rstride = r < rp.rows_f ? rp.rows_f : rp.n * prm.heads - rp.rows_f;   // partial rows per split
     const int grp = tid / lanes;
     const int lcol = (tid % lanes) * 8;       // within the slice
     const int col0 = slice * cols;
-    const float* lse = prm.partial_lse + rp.partial_row + r;
-    const __nv_bfloat16* src = prm.partial_o + (rp.partial_row + r) * kDimNope + col0 + lcol;
+    const long long prow0 = partial_index(rp, prm.heads, r, 0);
+    const float* lse = prm.partial_lse + prow0;
+    const __nv_bfloat16* src = prm.partial_o + prow0 * kDimNope + col0 + lcol;
     // the group's splits grp, grp + groups, ...: weights 2^(lse - m_run) against the running maximum
     float m_run = -INFINITY, wsum = 0.f;
     float acc[8] = {};
-    for (int base = grp; base < rp.nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
+    for (int base = grp; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
       float l[kCombineBatch];
       uint4 v[kCombineBatch];
 #pragma unroll
       for (int k = 0; k < kCombineBatch; ++k) {
         const int sp = base + k * groups;
-        l[k] = sp < rp.nsplit ? lse[sp * rstride] : -INFINITY;
-        v[k] = sp < rp.nsplit ? *reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope) : make_uint4(0, 0, 0, 0);
+        l[k] = sp < nsplit ? lse[sp * rstride] : -INFINITY;
+        v[k] = sp < nsplit ? *reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope) : make_uint4(0, 0, 0, 0);
       }
       float m_new = m_run;
 #pragma unroll

@@ -52,7 +52,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
-  l.zero_row = align_up(3 * sizeof(int));   // the counters
+  l.zero_row = align_up(5 * sizeof(int));   // the counters
   l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
@@ -68,7 +68,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh); KDTREE_SPLIT_KERNEL=trans the transposed kernel with
 // 48-row items (verify_trans.cuh: slower than the default on every shape measured, session 14; never chosen).
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94 };
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94, kMixed = 95 };
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
 // - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
 //   at most 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference), KDTREE_SPLIT_KERNEL=skinny makes
@@ -76,6 +76,13 @@ enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92
 // - kMma2Halves where the device runs kMma2 (sm_120): the same pipeline with 32-row items and two score warps per
 //   row block (MmaHalves), for requests of at most 32 rows; KDTREE_MMA_HALVES=0 turns that off.
 constexpr int kMma2Halves = 4;
+// - kMixed where the device runs kDual, opt-in with KDTREE_MIXED=1 (session 15): calls whose requests' last row tile
+//   has at most 16 rows (H16 N9: 64 + 64 + 16) run that tile as skinny items (verify_skinny.cuh, Rem) on some SMs,
+//   beside the dual kernel's items of the full tiles on the others (ReqPlan::rows_f). Measured (H200, session 15):
+//   H16 N9 P131072 / P185000 -3% with 40 skinny SMs, but slower at short prefixes (P8192 +4%) and at H16 N33 / N65
+//   and H8 N9, and B8 by -2 to +2% with the SM count: the skinny items read a key in ~38 ns, not the ~25 of nine
+//   skinny items reading it together (history 106-108), so it is not the default.
+constexpr int kSkinnyRem = 5;   // the skinny kernel of a mixed call (split_launch only)
 
 // A split kernel with its block size and dynamic shared memory (what both the one-time configuration and every
 // launch need), and the shape of its work items, which the plan cuts them to (Params::block_m, tile_n).
@@ -98,9 +105,10 @@ SplitLaunch split_launch(int kernel) {
   if (kernel == kDual)
     return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes, kWgRows,
             kWgTile};
-  if (kernel == kSkinny)
-    return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
-            kdtree::sk::kRows, kdtree::sk::kTileN};
+  if (kernel == kSkinny || kernel == kSkinnyRem)
+    return {kernel == kSkinny ? kdtree::sk::kdtree_verify_split_skinny_kernel<false>
+                              : kdtree::sk::kdtree_verify_split_skinny_kernel<true>,
+            kdtree::sk::kThreads, kdtree::sk::kSmemBytes, kdtree::sk::kRows, kdtree::sk::kTileN};
   if (kernel == kTrans)
     return {kdtree::tr::kdtree_verify_split_trans_kernel, kdtree::tr::kThreads, kdtree::tr::kSmemBytes,
             kdtree::tr::kRows, kdtree::tr::kTileN};
@@ -127,6 +135,7 @@ struct DeviceInfo {
   bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
   int small_kernel;  // the kernel of calls whose requests cannot exceed small_rows rows (kSkinny, kMma2Halves), or 0
   int small_rows;
+  bool mixed;        // kMixed calls (a last row tile of <= 16 rows as skinny items)
 };
 
 bool env_is(const char* name, const char* value) {
@@ -186,11 +195,13 @@ DeviceInfo device_info(int dev, int* status) {
     if (small_kernel) {
       int sblocks = 0;
       e = configure(split_launch(small_kernel), &sblocks);
+      if (e == cudaSuccess && sblocks >= 1 && small_kernel == kSkinny) e = configure(split_launch(kSkinnyRem), &sblocks);
       if (e != cudaSuccess) cudaGetLastError();
       if (e != cudaSuccess || sblocks < 1) small_kernel = small_rows = 0;
     }
+    const bool mixed = kernel == kDual && small_kernel == kSkinny && env_is("KDTREE_MIXED", "1");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
-    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows};
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -205,10 +216,24 @@ DeviceInfo device_info(int dev, int* status) {
 // of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit).
 // (Session 12 first used the bound H x (T - B + 1), which moves with the batch size: H8 N2 alone ran the skinny
 // kernel and in a batch of three N2 requests the dual one.)
+// Mixed calls follow the same rule: the host takes every request to have T / B tokens.
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
   if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
-  return rows <= dev.small_rows ? dev.small_kernel : dev.kernel;
+  if (rows <= dev.small_rows) return dev.small_kernel;
+  const long long rem = rows % kdtree::wg::kItemRows;
+  if (dev.mixed && rem > 0 && rem <= kdtree::kMixedRemRows) return kMixed;
+  return dev.kernel;
+}
+
+// The SMs of a mixed call: K for the skinny kernel, the rest for the dual one, in proportion to their work per key
+// (session 15, measured in mixed calls: a skinny 16-row item ~38 ns per key per SM, a dual 64-row item ~42; history 99's
+// ~25 for the skinny one held for nine of them reading each key together), for mt full row tiles per request:
+// 41 of 132 at H16 N9. KDTREE_MIXED_SMS=K sets K (an experiment switch).
+int mixed_skinny_sms(int sms, int mt) {
+  const char* v = getenv("KDTREE_MIXED_SMS");
+  int k = v ? atoi(v) : (int)lround(sms * 38.0 / (38.0 + 42.0 * mt));
+  return std::min(std::max(k, 1), sms - 1);
 }
 
 DeviceInfo current_device(int* status) {
@@ -351,9 +376,20 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  const SplitLaunch split = split_launch(call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads));
+  const int call = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
+  const SplitLaunch split = split_launch(call == kMixed ? kDual : call);
   prm.block_m = split.block_m;
   prm.tile_n = split.tile_n;
+  prm.mixed = call == kMixed;
+  prm.split_target_s = 0;
+  unsigned split_blocks = sms, rem_blocks = 0;
+  if (prm.mixed) {
+    const int mt = p->num_heads * (p->num_tokens / p->batch_size) / split.block_m;   // full row tiles per request
+    rem_blocks = mixed_skinny_sms(sms, mt);
+    split_blocks = sms - rem_blocks;
+    prm.split_target = split_blocks;   // each kernel's items fill its own SMs
+    prm.split_target_s = rem_blocks;
+  }
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
@@ -365,7 +401,11 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const bool pdl = dev.pdl;
   if (!p->reuse_plan)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
-  KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
+  KDTREE_TRY(launch_kernel(split.kernel, split_blocks, split.threads, split.smem, stream, pdl, prm));
+  if (rem_blocks) {   // beside it, on the SMs it leaves free (programmatic launch; serial without PDL, still correct)
+    const SplitLaunch rem = split_launch(kSkinnyRem);
+    KDTREE_TRY(launch_kernel(rem.kernel, rem_blocks, rem.threads, rem.smem, stream, pdl, prm));
+  }
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
   // rows are few (and may need more slices)

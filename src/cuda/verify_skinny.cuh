@@ -38,10 +38,7 @@ constexpr int kRows = 16;                          // rows per item: the wgmma N
 // 54 KB) or 32 (4 of 36 KB). Below 64 the products still run as m64: S^T reads 64 key rows, the tile's TileN and then
 // the first 64 - TileN rows of the next slab (of the last slab: a zeroed pad after each stage, so no product reads a
 // buffer in flight), and the warps whose 16 rows lie past TileN take them as invisible; O^T takes TileN / 16 k-steps.
-#ifndef KDTREE_SKINNY_TILE
-#define KDTREE_SKINNY_TILE 64
-#endif
-constexpr int kTileN = KDTREE_SKINNY_TILE;
+constexpr int kTileN = KDTREE_SKINNY_TILE;   // (default 64: verify_kernel.cuh, beside the plan's kMixedTileN)
 static_assert(kTileN == 64 || kTileN == 48 || kTileN == 32, "64-, 48- or 32-key tiles");
 constexpr int kStages = kTileN == 64 ? 2 : kTileN == 48 ? 3 : 4;
 constexpr int kMmaM = 64;                          // the wgmma M of both products
@@ -87,6 +84,14 @@ static_assert(kSlabBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (kSlabs * kQS
 using km::col_of;   // the accumulator mapping of kernels with the keys as the wgmma M (verify_wgmma.cuh)
 using km::col_q;
 
+static_assert(kRows == kMixedRemRows && kTileN == kMixedTileN, "the plan's remainder items are this kernel's");
+
+// Rem (a mixed call, Params::mixed): the kernel runs the remainder row tiles' skinny items (item_ctx_rem) beside the
+// split kernel, on the SMs that kernel leaves free: it is launched as that kernel's programmatic dependent, which lets
+// it start only once it has waited for the plan, so it reads the plan from L2 without a griddepcontrol.wait of its
+// own; that wait comes at its end instead (the split kernel's completion), so that the combine, which waits for this
+// kernel, also comes after the split kernel.
+template <bool Rem>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -94,9 +99,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
-  grid_dependency_wait();   // the plan kernel's counter and plan
+  if constexpr (!Rem) grid_dependency_wait();   // the plan kernel's counter and plan
   KDTREE_TIMELINE(2, 1);
-  const int total = prm.counter[1];
+  const int total = Rem ? __ldcg(prm.counter + 3) : prm.counter[1];
   const int H = prm.heads;
 
   if (tid == 0) {
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   // The block's k-th work item: the producer's first thread claims it (the producer runs up to one item ahead of
   // the consumer)
   auto fetch_item = [&](int k) {
-    return wg::fetch_item_ahead(prm, k, tid, kConsumerThreads, sm.item, sm.item_full, sm.item_empty);
+    return wg::fetch_item_ahead<Rem ? 4 : 0>(prm, k, tid, kConsumerThreads, sm.item, sm.item_full, sm.item_empty);
   };
 
   if (tid < kConsumerThreads) {
@@ -139,9 +144,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       const int item = fetch_item(k);
       if (item >= total) {
         KDTREE_TIMELINE(2, 2);   // (the consumer's last stores are issued)
-        return;
+        break;
       }
-      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
+      const ItemCtx cx = Rem ? item_ctx_rem(prm, item) : item_ctx<kRows, kTileN>(prm, item);
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads);
       cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
@@ -162,7 +167,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
 #pragma unroll
         for (int i = 0; i < 8; ++i) o[mb][i] = 0.f;
 
-      for (int t = 0; t < cx.ntiles; ++t, ++seq) {
+      for (int t = 0; t < cx.ntiles; ++t) {
+        // the tile's keys: [k0 + 64 t, k1), or a remainder item's cell t (empty cells are skipped by the producer too)
+        ItemCtx tcx = cx;
+        if constexpr (Rem) {
+          rem_tile(cx, t, tcx.k0, tcx.k1);
+          if (tcx.k0 >= tcx.k1) continue;
+        } else {
+          tcx.k0 = cx.k0 + t * kTileN;
+        }
         const int b = seq % kStages;
         mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
@@ -170,14 +183,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         float s[8];
         km::scores_t<kRows, kSlabBytes, kQSlabBytes>(s, kv, qd);
         // scale to log2 units, mask (a tile of prefix keys inside the split needs none), column maxima
-        const int key_base = cx.k0 + t * kTileN;
-        const bool plain = key_base + kTileN <= cx.k1 && key_base + kTileN <= cx.rp.p;
+        const int key_base = tcx.k0;
+        const bool plain = key_base + kTileN <= tcx.k1 && key_base + kTileN <= cx.rp.p;
         const int key0 = key_base + warp * 16 + g;
         float cm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int q = col_q(i);
-          s[i] = warp < kValidWarps && (plain || key_visible_n(prm, cx, key0 + 8 * ((i >> 1) & 1), rn[q]))
+          s[i] = warp < kValidWarps && (plain || key_visible_n(prm, tcx, key0 + 8 * ((i >> 1) & 1), rn[q]))
                      ? s[i] * prm.scale_log2
                      : -INFINITY;
           cm[q] = fmaxf(cm[q], s[i]);
@@ -222,6 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         }
         km::values_t<kRows, kVBlocks, kSlabBytes, kPvSteps>(o, kv, pd);
         mbar_arrive(&sm.empty[b]);   // release: the producer refills the buffer
+        ++seq;
       }
 
       // end of the item: the column sums over the warpgroup, O^T / l staged as the item's bf16 rows, then stored
@@ -255,13 +269,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         *reinterpret_cast<uint4*>(result_row(prm, cx, r) + ch * 8) =
             *reinterpret_cast<const uint4*>(&sm.stage[r * kDimNope + ch * 8]);
       }
-      if (cx.rp.nsplit > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
+      if (row_nsplit(cx.rp, cx.row0) > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
       // (stage, lred and the row statistics are written again only after the next item's barriers)
     }
   } else {
     // =========================== producer warpgroup ===========================
-    km::key_producer<kRows, kTileN, kStages, kProducerThreads>(sm, prm, tid - kConsumerThreads, total, fetch_item);
+    km::key_producer<kRows, kTileN, kStages, kProducerThreads, Rem>(sm, prm, tid - kConsumerThreads, total, fetch_item);
   }
+  if constexpr (Rem) grid_dependency_wait();   // the split kernel's completion (see above)
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel
 #endif
