@@ -14,7 +14,8 @@ for arch in 90a 120; do
        -c src/cuda/verify_launch.cu -o "$tmp/x.o" -Xptxas -v 2>&1 \
     | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
-              s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelENS_6ParamsE/kdtree_verify_split_skinny_kernel/; \
+              s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb0EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<small calls>/; \
+              s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb1EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<remainder tiles, KDTREE_MIXED=1>/; \
               s/_ZN6kdtree2tr32kdtree_verify_split_trans_kernelENS_6ParamsE/kdtree_verify_split_trans_kernel/; \
               s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
               s/_ZN6kdtree2pp35kdtree_verify_split_pingpong_kernelENS_6ParamsE/kdtree_verify_split_pingpong_kernel/; \
@@ -41,7 +42,8 @@ int main() {
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
 echo "On sm_120 only the 2-stage kdtree_verify_split_kernel runs (48 rows; 32 rows x 2 key halves for calls of <= 32-row"
-echo "requests); the five wgmma kernels there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests;"
+echo "requests); the six wgmma kernel instantiations there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests"
+echo "(and, only with KDTREE_MIXED=1, its remainder instantiation a last row tile of <= 16 rows beside the dual kernel, session 15);"
 echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (slower than the default on every shape measured, H200, session 14)."
 echo "kdtree_verify_split_dual_kernel's 128 registers are its launch allocation (512 threads); setmaxnreg then gives"
 echo "its score warpgroups 88 and its value warpgroups 168 (verify_dual.cuh; ptxas checks each region: no spills); the"
