@@ -1196,11 +1196,11 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     const int cols = kDimNope / slices;       // value columns of this block
     const int lanes = cols / 8;               // threads per split row (8 columns each)
     const int groups = kCombineThreads / lanes;
-    const long long rstride = r < rp.rows_f ? rp.rows_f : rp.n * prm.heads - rp.rows_f;   // partial rows per split
     const int grp = tid / lanes;
     const int lcol = (tid % lanes) * 8;       // within the slice
     const int col0 = slice * cols;
     const long long prow0 = partial_index(rp, prm.heads, r, 0);
+    const long long rstride = partial_index(rp, prm.heads, r, 1) - prow0;   // partial rows per split (the row's kind)
     const float* lse = prm.partial_lse + prow0;
     const __nv_bfloat16* src = prm.partial_o + prow0 * kDimNope + col0 + lcol;
     // the group's splits grp, grp + groups, ...: weights 2^(lse - m_run) against the running maximum

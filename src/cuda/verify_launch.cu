@@ -136,6 +136,7 @@ struct DeviceInfo {
   int small_kernel;  // the kernel of calls whose requests cannot exceed small_rows rows (kSkinny, kMma2Halves), or 0
   int small_rows;
   bool mixed;        // kMixed calls (a last row tile of <= 16 rows as skinny items)
+  int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a mixed call, or -1 (unset: the model's)
 };
 
 bool env_is(const char* name, const char* value) {
@@ -195,13 +196,21 @@ DeviceInfo device_info(int dev, int* status) {
     if (small_kernel) {
       int sblocks = 0;
       e = configure(split_launch(small_kernel), &sblocks);
-      if (e == cudaSuccess && sblocks >= 1 && small_kernel == kSkinny) e = configure(split_launch(kSkinnyRem), &sblocks);
       if (e != cudaSuccess) cudaGetLastError();
       if (e != cudaSuccess || sblocks < 1) small_kernel = small_rows = 0;
     }
-    const bool mixed = kernel == kDual && small_kernel == kSkinny && env_is("KDTREE_MIXED", "1");
+    // mixed calls (opt-in): their skinny kernel configured only when asked for, and a failure turns off only them
+    bool mixed = kernel == kDual && small_kernel == kSkinny && env_is("KDTREE_MIXED", "1");
+    if (mixed) {
+      int rblocks = 0;
+      e = configure(split_launch(kSkinnyRem), &rblocks);
+      if (e != cudaSuccess) cudaGetLastError();
+      mixed = e == cudaSuccess && rblocks >= 1;
+    }
+    const char* mixed_sms = getenv("KDTREE_MIXED_SMS");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
-    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed};
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed,
+                           mixed_sms ? std::max(atoi(mixed_sms), 0) : -1};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -229,10 +238,9 @@ int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
 // The SMs of a mixed call: K for the skinny kernel, the rest for the dual one, in proportion to their work per key
 // (session 15, measured in mixed calls: a skinny 16-row item ~38 ns per key per SM, a dual 64-row item ~42; history 99's
 // ~25 for the skinny one held for nine of them reading each key together), for mt full row tiles per request:
-// 41 of 132 at H16 N9. KDTREE_MIXED_SMS=K sets K (an experiment switch).
-int mixed_skinny_sms(int sms, int mt) {
-  const char* v = getenv("KDTREE_MIXED_SMS");
-  int k = v ? atoi(v) : (int)lround(sms * 38.0 / (38.0 + 42.0 * mt));
+// 41 of 132 at H16 N9. KDTREE_MIXED_SMS=K (`set`, read once per device) sets K (an experiment switch).
+int mixed_skinny_sms(int sms, int mt, int set) {
+  const int k = set >= 0 ? set : (int)lround(sms * 38.0 / (38.0 + 42.0 * mt));
   return std::min(std::max(k, 1), sms - 1);
 }
 
@@ -385,7 +393,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   unsigned split_blocks = sms, rem_blocks = 0;
   if (prm.mixed) {
     const int mt = p->num_heads * (p->num_tokens / p->batch_size) / split.block_m;   // full row tiles per request
-    rem_blocks = mixed_skinny_sms(sms, mt);
+    rem_blocks = mixed_skinny_sms(sms, mt, dev.mixed_sms);
     split_blocks = sms - rem_blocks;
     prm.split_target = split_blocks;   // each kernel's items fill its own SMs
     prm.split_target_s = rem_blocks;
