@@ -132,8 +132,9 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and the 2-stage kernel's 32-row
  * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off). Beside the dual kernel, a call
  * whose requests' last 64-row tile has at most 16 rows (H16 N9: 64 + 64 + 16) runs that tile as skinny items on
- * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in: ~3% faster at
- * H16 N9 with long prefixes, slower on other shapes; session 15).
+ * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in: up to ~3% faster
+ * at H16 N9 with long prefixes at the best SM split, within the spread at the default one, slower on other shapes;
+ * H200, session 15).
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
  * =pingpong, =skinny or =trans select the other sm_90a kernels for every call (one score warpgroup, verify_wgmma.cuh;
