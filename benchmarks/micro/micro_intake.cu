@@ -11,7 +11,8 @@
 // WG0, until the gather ends: MODE 0 nothing; 1 S chains (36 wgmma m64n32k16, q and the ring from shared memory);
 // 2 the same FLOPs as m64n64k16 (18 per round: half the q bytes); 3 P V (2 x m64n256k16, B MN-major, per round).
 // Reports the keys' rate into the SMs (TB/s over the kernel's event time) and WG0's wgmma rate. Then the gather
-// alone with 1-3 tiles in flight per thread instead of 4 (DEPTH): its rate against the bytes in flight per SM.
+// alone with 1-3 tiles in flight per thread instead of 4 (DEPTH): its rate against the bytes in flight per SM; then 1-2
+// tiles in flight beside each product (session 16).
 #include <cstdio>
 #include <cstdint>
 #include <vector>
@@ -99,6 +100,16 @@ int main() {
     run<0, 1>("gather alone, 1 tile in flight", pool, slots, nrows, sms, reuse);
     run<0, 2>("gather alone, 2 tiles in flight", pool, slots, nrows, sms, reuse);
     run<0, 3>("gather alone, 3 tiles in flight", pool, slots, nrows, sms, reuse);
+  }
+  // the same few tiles in flight with the products beside (session 16): a ring whose lead is 2-3 tiles (the dual
+  // kernel's) sees the gather's latency, which 4 tiles in flight hide; does the products' shared-memory traffic
+  // lengthen it?
+  for (int reuse : {1, 3}) {
+    run<1, 2>("+ S m64n32k16, 2 tiles in flight", pool, slots, nrows, sms, reuse);
+    run<2, 2>("+ S as m64n64k16, 2 tiles in flight", pool, slots, nrows, sms, reuse);
+    run<3, 2>("+ P V, 2 tiles in flight", pool, slots, nrows, sms, reuse);
+    run<1, 1>("+ S m64n32k16, 1 tile in flight", pool, slots, nrows, sms, reuse);
+    run<3, 1>("+ P V, 1 tile in flight", pool, slots, nrows, sms, reuse);
   }
   return 0;
 }

@@ -48,9 +48,12 @@ using wg::kValueThreads;
 constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
 constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups
 constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads per SM
-constexpr int kScoreRegs = 88;                 // setmaxnreg: 2 x 88 + 2 x 168 = 512 = 4 x 128 (the launch's)
-constexpr int kValueRegs = 168;
-static_assert(2 * kScoreRegs + 2 * kValueRegs <= 4 * kLaunchRegs, "register pool");
+// setmaxnreg: 2 x 88 + 2 x 168 = 512 = 4 x 128 (the launch's); with Pair the score warpgroups hold 32 scores per
+// thread, not 16, and with SRefill they gather the keys: 2 x 96 + 2 x 160
+template <bool Pair, bool SRefill> constexpr int kScoreRegs = Pair || SRefill ? 96 : 88;
+template <bool Pair, bool SRefill> constexpr int kValueRegs = Pair || SRefill ? 160 : 168;
+static_assert(2 * kScoreRegs<false, false> + 2 * kValueRegs<false, false> <= 4 * kLaunchRegs, "register pool");
+static_assert(2 * kScoreRegs<true, true> + 2 * kValueRegs<true, true> <= 4 * kLaunchRegs, "register pool");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 constexpr int kQFirst = wg::kQFirst;
@@ -69,7 +72,8 @@ struct Smem {
   float m[2][kBlockM];                     // the running row maxima after its latest tile
   float xl[kBlockM], xmu[kBlockM];         // score warpgroup 1's row sums at the end of an item, their max
   float row_l[kBlockM];                    // the item's row sums, for the value warpgroups
-  unsigned long long full[kStages];   // tile landed: 256 arrivals, one per value thread's copies
+  unsigned long long full[kStages];   // tile landed: one arrival per copying thread (256 value or, SRefill, 128 score)
+  unsigned long long empty[kStages];  // SRefill: the value warpgroups are done with the buffer's tile (256 arrivals)
   unsigned long long p_full[2];       // P / alpha of score warpgroup s published: 128 arrivals (release)
   unsigned long long p_empty[2];      // consumed: 256 value-thread arrivals (release)
   unsigned long long m_full[2];       // m of score warpgroup s's latest tile published: 128 arrivals
@@ -91,6 +95,53 @@ __device__ unsigned g_trace[32][8];
 #define KDTREE_DTRACE(e) do { } while (0)
 #endif
 
+// Pair (KDTREE_SPLIT_KERNEL=pair, session 16): score warpgroup s owns the pair of 32-key buffers 2s, 2s + 1 and runs
+// S over both at once as m64n64k16 (the same FLOPs with half of m64n32k16's q reads from shared memory, the busiest
+// pipe: 864 of the ~1,436 wavefronts per tile, history 90; beside P V 37.4 against 63.7 clocks per m64n32k16's FLOPs,
+// history 91), one softmax and one running-max hand-off per 64 keys. For one descriptor to span both, a pair's slabs
+// interleave: slab j of pair p holds its 64 keys at p * 2 kTileBytes + j * 2 kSlabBytes, buffer 2p + h's 32 keys at
+// + h kSlabBytes. P of buffer h's keys goes where that buffer's rope columns were (slab 8, read only by S): 4 KB, the
+// size of the P buffer it replaces, freed with the buffer when the value warpgroups are done with it. A pair whose
+// second tile is past the item's last runs its S over that buffer's stale keys, all of them masked (key >= k1).
+#ifndef KDTREE_DUAL_SREFILL_AFTER_S
+#define KDTREE_DUAL_SREFILL_AFTER_S 0
+#endif
+constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
+// SRefill with KDTREE_DUAL_SPLIT_SLAB = k in 1..8 (an experiment): the value warpgroups copy slabs [0, k) of every tile
+// as in the default (during P V), the score warpgroups slabs [k, 9) (during S)
+#ifndef KDTREE_DUAL_SPLIT_SLAB
+#define KDTREE_DUAL_SPLIT_SLAB 0
+#endif
+constexpr int kSplitSlab = KDTREE_DUAL_SPLIT_SLAB;
+static_assert(kSplitSlab >= 0 && kSplitSlab < kSlabs, "KDTREE_DUAL_SPLIT_SLAB: 0 (off) or 1..8");
+
+template <bool Pair>
+struct Ring {
+  static constexpr int kSlabStride = Pair ? 2 * kSlabBytes : kSlabBytes;
+  // shared address of buffer b's first slab
+  static __device__ __forceinline__ uint32_t buffer(uint32_t kv, int b) {
+    return Pair ? kv + (b >> 1) * 2 * kTileBytes + (b & 1) * kSlabBytes : kv + b * kTileBytes;
+  }
+};
+
+// Value thread vt's part of tile t into buffer b (the ring's layout), then its arrival on the buffer's mbarrier once
+// it has landed; nothing past the item's last tile.
+template <bool Pair, int SlabEnd = kSlabs>
+__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
+                                            long long slot) {
+  if (t >= cx.ntiles) return;
+  wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride, 0, SlabEnd>(Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), b), prm,
+                                                                   cx, t, vt / wg::kThreadsPerKey,
+                                                                   vt % wg::kThreadsPerKey, slot);
+  wg::arrive_when_landed(&sm.full[b]);
+}
+
+// SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
+// (score warpgroup s: tiles t = s mod 2), and refill a buffer as soon as both value warpgroups are done with its tile
+// (empty[b]), before waiting for its next tile. The value warpgroups copy nothing: in the default they refill buffer
+// (t - 1) % 4 after the wait for P (t) and the issue of P V (t), ~2,600 clocks after P V (t - 1) freed it (trace,
+// session 16), and issuing the copies earlier there delays P V (t) (history 77, 80).
+template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -111,7 +162,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
   const int H = prm.heads;
 
   if (tid == 0) {
-    for (int b = 0; b < kStages; ++b) mbar_init(&sm.full[b], kValueThreads);
+    for (int b = 0; b < kStages; ++b) {
+      mbar_init(&sm.full[b], !SRefill ? kValueThreads : kSplitSlab ? 128 + kValueThreads : 128);
+      mbar_init(&sm.empty[b], kValueThreads);
+    }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&sm.p_full[i], 128);
       mbar_init(&sm.p_empty[i], kValueThreads);
@@ -126,9 +180,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 
   if (warp < 8) {
     // =========================== score warpgroups ===========================
-    wg::set_max_regs<kScoreRegs, kLaunchRegs>();
+    wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
-    uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u, lf_parity = 0u;
+    uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
+    uint32_t empty_bits = 0u;   // SRefill
+    const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
       // the item index goes out on an mbarrier (release / acquire): with __syncthreads between the store
@@ -147,37 +203,91 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       const long long t_item = clock64();   // just after the item fetch, as the value side's
 #endif
 
+      // SRefill: this warpgroup's slot ids of a tile's two keys, and its copies of a tile into the tile's buffer
+      long long refill_slots[2] = {0, 0};
+      auto key_slots = [&](int j, long long (&sl)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sl[h] = wg::tile_key_slot(prm, cx, j, st / 8 + 16 * h);
+      };
+      auto gather_own = [&](int j, const long long (&sl)[2]) {
+        if (j >= nt) return;
+        const uint32_t buf = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), j % kStages);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride, kSplitSlab>(buf, prm, cx, j, st / 8 + 16 * h, st % 8, sl[h]);
+        wg::arrive_when_landed(&sm.full[j % kStages]);
+      };
+
       // q of the item over the 256 score threads, all copies in flight at once
       wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
-      cp_async_wait_all();   // this thread's q copies (the score warpgroups issue no other cp.async)
+      if constexpr (SRefill) {   // then this warpgroup's first two tiles, s and s + 2
+        cp_async_commit();
+        long long s0[2], s1[2];
+        key_slots(s, s0);
+        key_slots(s + 2, s1);
+        key_slots(s + 4, refill_slots);
+        gather_own(s, s0);
+        gather_own(s + 2, s1);
+        cp_async_commit();
+        cp_async_wait_group<1>();   // this thread's q copies
+      } else {
+        cp_async_wait_all();   // this thread's q copies (the score warpgroups issue no other cp.async)
+      }
       fence_proxy_async();   // read next by wgmma (the async proxy)
-      mbar_arrive(&sm.q_full);   // the value warpgroups may ask for the rest of the ring
+      if constexpr (!SRefill) mbar_arrive(&sm.q_full);   // the value warpgroups may ask for the rest of the ring
       bar_sync(kBarScore, 256);
 
       float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
       float l_own[2] = {0.f, 0.f};
-      float sc[16];
-      for (int t = s; t < nt; t += 2) {
-        const int b = t % kStages;
+      constexpr int kSteps = Pair ? 2 : 1;   // 32-key tiles per score step
+      constexpr int kGroups = kSteps * kTileN / 8;
+      float sc[4 * kGroups];
+      const int nu = (nt + kSteps - 1) / kSteps;   // score steps of the item; this warpgroup's: u = s, s + 2, ...
+      for (int u = s; u < nu; u += 2) {
+        const int t = u * kSteps;   // the step's first tile
+        static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
+        // SRefill: tile t + 2 into the buffer of tile t - 2, once P V (t - 2) is done (tiles s and s + 2 came with q);
+        // before the wait for tile t, or (KDTREE_DUAL_SREFILL_AFTER_S, an experiment) while S (t) runs
+        auto refill_own = [&]() {
+          if (t >= s + 2 && t + 2 < nt) {
+            mbar_wait_buffer(sm.empty, empty_bits, (t + 2) % kStages);
+            gather_own(t + 2, refill_slots);
+            key_slots(t + 4, refill_slots);   // the next refill's, loaded a step ahead
+          }
+        };
+        if constexpr (SRefill && !kSRefillAfterS) refill_own();
         if ((warp & 3) == 0) KDTREE_DTRACE(0);
-        mbar_wait_buffer(sm.full, full_bits, b);   // every value thread's copies landed
+        if constexpr (Pair) {   // buffers 2s (tile t) and 2s + 1 (tile t + 1, if the item has it)
+          mbar_wait_buffer(sm.full, full_bits, 2 * s);
+          if (t + 1 < nt) mbar_wait_buffer(sm.full, full_bits, 2 * s + 1);
+        } else {
+          mbar_wait_buffer(sm.full, full_bits, t % kStages);   // every value thread's copies landed
+        }
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         {
-          const SmemDesc kd(smem_u32(&sm.kv[b][0]), 16, 1024);
+          const uint32_t kb = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), Pair ? 2 * s : t % kStages);
+          const SmemDesc kd(kb, 16, 1024);
           wg::wg_fence();
 #pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks)
-            wg::wgmma_m64n32k16_ss(sc, qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32),
-                                   kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32), ks > 0);
+          for (int ks = 0; ks < kKSteps; ++ks) {
+            const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
+            const uint64_t db = kd.at((ks >> 2) * Ring<Pair>::kSlabStride + (ks & 3) * 32);
+            if constexpr (Pair)
+              wg::wgmma_m64n64k16_ss(sc, da, db, ks > 0);
+            else
+              wg::wgmma_m64n32k16_ss(sc, da, db, ks > 0);
+          }
           wg::wg_commit();
+          if constexpr (SRefill && kSRefillAfterS) refill_own();
           wg::wg_wait0();
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
-        scale_mask_max(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
-        // the running maxima: m_{t-1} from the other score warpgroup, m_t published at once (before P)
+        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
+        // the running maxima: m of the step before from the other score warpgroup, this step's published at once
+        // (before P)
         float m_run[2] = {-INFINITY, -INFINITY};
-        if (t > 0) {
+        if (u > 0) {
           mbar_wait(&sm.m_full[1 - s], mf_parity);
           mf_parity ^= 1u;
           m_run[0] = sm.m[1 - s][wrow + g];
@@ -185,28 +295,31 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(2);
         float m_use[2], alpha[2];
-        softmax_advance(tmax, m_run, m_use, alpha);   // m_run: m_t; alpha rescales O (relative to m_{t-1})
-        if (t + 1 < nt) {   // the other warpgroup's next tile reads it (which orders this store after its read of the last)
+        softmax_advance(tmax, m_run, m_use, alpha);   // m_run: this step's m; alpha rescales O (relative to the last)
+        if (u + 1 < nu) {   // the other warpgroup's next step reads it (which orders this store after its read of the last)
           if (c == 0) {
             sm.m[s][wrow + g] = m_run[0];
             sm.m[s][wrow + g + 8] = m_run[1];
           }
           mbar_arrive(&sm.m_full[s]);
         }
-        // this warpgroup's sums move from its previous tile's reference to this one's
+        // this warpgroup's sums move from its previous step's reference to this one's
         float lfac[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           lfac[half] = fast_exp2(mu[half] - m_use[half]);
           mu[half] = m_use[half];
         }
-        if (t >= 2) {   // the value warpgroups are done with this warpgroup's previous P
+        if (u >= 2) {   // the value warpgroups are done with this warpgroup's previous P and alpha
           mbar_wait(&sm.p_empty[s], pe_parity);
           pe_parity ^= 1u;
         }
-        softmax_p_pairs(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
+        // P of tile t + (j >> 2) (key group j & 3 of it): the pair's rope columns of that buffer, or p[s]
+        unsigned char* const p0 = Pair ? &sm.kv[0][0] + s * 2 * kTileBytes + (kSlabs - 1) * 2 * kSlabBytes : &sm.p[s][0];
+        softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
           const int row = wrow + g + half * 8;
-          *reinterpret_cast<uint32_t*>(&sm.p[s][row * kPRowBytes + ((j ^ ((row >> 1) & 3)) << 4) + 4 * c]) = pair;
+          *reinterpret_cast<uint32_t*>(&p0[(j >> 2) * kSlabBytes + row * kPRowBytes + (((j & 3) ^ ((row >> 1) & 3)) << 4) +
+                                           4 * c]) = pair;
         });
         if (c == 0) {
           sm.alpha[s][wrow + g] = alpha[0];
@@ -231,8 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         }
         mbar_arrive(&sm.l_full);
       } else {
-        mbar_wait(&sm.l_full, lf_parity);
-        lf_parity ^= 1u;
+        mbar_wait(&sm.l_full, k & 1);
         float m_fin[2], l_fin[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -266,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     }
   } else {
     // =========================== value warpgroups ===========================
-    wg::set_max_regs<kValueRegs, kLaunchRegs>();
+    wg::set_max_regs<kValueRegs<Pair, SRefill>, kLaunchRegs>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
@@ -283,18 +395,23 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 #endif
 
       // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
-      long long slots[kStages + 1];
+      long long slot = 0;
+      constexpr bool kValueCopies = !SRefill || kSplitSlab > 0;
+      constexpr int kValueSlabs = SRefill ? kSplitSlab : kSlabs;
+      if constexpr (kValueCopies) {
+        long long slots[kStages + 1];
 #pragma unroll
-      for (int t = 0; t <= kStages; ++t) slots[t] = wg::gather_slot(prm, cx, t, vt);
+        for (int t = 0; t <= kStages; ++t) slots[t] = wg::gather_slot(prm, cx, t, vt);
 #pragma unroll
-      for (int t = 0; t < kStages; ++t) {
-        if (t == kQFirst) {   // the rest of the ring once q has landed
-          mbar_wait(&sm.q_full, q_parity);
-          q_parity ^= 1u;
+        for (int t = 0; t < kStages; ++t) {
+          if (!SRefill && t == kQFirst) {   // the rest of the ring once q has landed
+            mbar_wait(&sm.q_full, q_parity);
+            q_parity ^= 1u;
+          }
+          gather_tile<Pair, kValueSlabs>(sm, prm, cx, t, t, vt, slots[t]);
         }
-        wg::gather_tile(sm, prm, cx, t, t, vt, slots[t]);
+        slot = slots[kStages];
       }
-      long long slot = slots[kStages];
 
       float o[128];
 #pragma unroll
@@ -303,40 +420,52 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       // that tile) takes tile t - 1 + kStages
       auto refill = [&](int t) {
         const long long next = wg::gather_slot(prm, cx, t + kStages, vt);
-        wg::gather_tile(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
+        gather_tile<Pair, kValueSlabs>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
         slot = next;
       };
 
-      for (int t = 0; t < cx.ntiles; ++t) {
+      const int nt = cx.ntiles;
+      const int nu = Pair ? (nt + 1) / 2 : nt;   // the score side's steps
+      for (int t = 0; t < nt; ++t) {
         const int b = t % kStages;
-        const int s = t & 1;
+        const int u = Pair ? t >> 1 : t;   // the score step of tile t, by score warpgroup s
+        const int s = u & 1;
+        const bool first = !Pair || (t & 1) == 0;   // the step's first tile: its P / alpha to wait for, O to rescale
         if (warp == 8) KDTREE_DTRACE(4);
-        bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of tile t: wake up ...
-        mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
-        pf_bits ^= 1u << s;
+        if (first) {
+          bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of the step: wake up ...
+          mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
+          pf_bits ^= 1u << s;
+        }
         mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
         if (warp == 8) KDTREE_DTRACE(5);
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
-        wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
+        if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {
-          const uint64_t pd = desc_sw64(smem_u32(&sm.p[s][0]));
-          const SmemDesc vd(smem_u32(&sm.kv[b][0]) + (4 * v) * kSlabBytes, kSlabBytes, 1024);
+          const uint32_t kb = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), b);
+          const uint64_t pd = desc_sw64(Pair ? kb + (kSlabs - 1) * 2 * kSlabBytes : smem_u32(&sm.p[s][0]));
+          constexpr int kStride = Ring<Pair>::kSlabStride;
+          const SmemDesc vd(kb + (4 * v) * kStride, kStride, 1024);
           wg::wg_fence();
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
             const uint64_t da = pd + ((kk * 32) >> 4);
             wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
-            wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kSlabBytes + kk * 16 * 128));
+            wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kStride + kk * 16 * 128));
           }
           wg::wg_commit();
           // while P V runs (earlier, before P V or before the wait for P, is slower: branch
           // next/dual-refill-placement, history 77 and 80)
-          if (t > 0) refill(t);
+          if (kValueCopies && t > 0) refill(t);
           if (warp == 8) KDTREE_DTRACE(6);
           wg::wg_wait0();
         }
-        if (t + 2 < cx.ntiles) mbar_arrive(&sm.p_empty[s]);   // release: its score warpgroup writes P again
-        bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
+        // release: its score warpgroup writes P / alpha again (after the step's last tile)
+        if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
+        if constexpr (SRefill) {
+          if (t + kStages < nt) mbar_arrive(&sm.empty[b]);   // its score warpgroup refills it with tile t + 4
+        }
+        if constexpr (kValueCopies) bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0

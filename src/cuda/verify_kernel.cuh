@@ -470,6 +470,10 @@ __device__ __forceinline__ void cp_async_16z(uint32_t dst, const void* src, int 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// until at most N of this thread's latest committed groups are in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -650,9 +654,10 @@ __device__ __forceinline__ int row_token(const ItemCtx& cx, int r, int H) {
   return r < cx.rows ? (cx.row0 + r) / H : -1;
 }
 
-// A thread's 16 scores of a 32-key tile, as either split kernel holds them: key group j (8 keys) x value e
-// (rows r0 / r0 + 8 for e < 2 / e >= 2, keys 2c / 2c + 1 of the group for even / odd e).
-__device__ __forceinline__ float& score_at(float (&v)[16], int j, int e) { return v[4 * j + e]; }
+// A thread's scores of a tile (16 of 32 keys; 32 of the dual kernel's 64-key pairs), as the split kernels hold them:
+// key group j (8 keys) x value e (rows r0 / r0 + 8 for e < 2 / e >= 2, keys 2c / 2c + 1 of the group for even / odd e).
+template <int N>
+__device__ __forceinline__ float& score_at(float (&v)[N], int j, int e) { return v[4 * j + e]; }
 template <int G>
 __device__ __forceinline__ float& score_at(float (&v)[G][4], int j, int e) { return v[j][e]; }
 

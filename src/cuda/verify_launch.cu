@@ -68,7 +68,13 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
 // warpgroup, the default up to session 8; verify_pingpong.cuh); KDTREE_SPLIT_KERNEL=trans the transposed kernel with
 // 48-row items (verify_trans.cuh: slower than the default on every shape measured, session 14; never chosen).
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94, kMixed = 95 };
+// KDTREE_SPLIT_KERNEL=pair / srefill (session 16): the dual kernel with its S over pairs of 32-key buffers as
+// m64n64k16 (verify_dual.cuh, Pair) / with the score warpgroups refilling the key buffers (SRefill).
+enum SplitKernel {
+  kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94, kMixed = 95, kDualPair = 96,
+  kDualSRefill = 97
+};
+bool is_dual(int kernel) { return kernel == kDual || kernel == kDualPair || kernel == kDualSRefill; }
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
 // - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
 //   at most 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference), KDTREE_SPLIT_KERNEL=skinny makes
@@ -102,9 +108,11 @@ SplitLaunch split_launch(int kernel) {
   if (kernel == kPingPong)
     return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes, kWgRows,
             kWgTile};
-  if (kernel == kDual)
-    return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes, kWgRows,
-            kWgTile};
+  if (is_dual(kernel))
+    return {kernel == kDual       ? kdtree::dual::kdtree_verify_split_dual_kernel<false, false>
+            : kernel == kDualPair ? kdtree::dual::kdtree_verify_split_dual_kernel<true, false>
+                                  : kdtree::dual::kdtree_verify_split_dual_kernel<false, true>,
+            kdtree::dual::kThreads, kdtree::dual::kSmemBytes, kWgRows, kWgTile};
   if (kernel == kSkinny || kernel == kSkinnyRem)
     return {kernel == kSkinny ? kdtree::sk::kdtree_verify_split_skinny_kernel<false>
                               : kdtree::sk::kdtree_verify_split_skinny_kernel<true>,
@@ -168,6 +176,8 @@ DeviceInfo device_info(int dev, int* status) {
       if (env_is("KDTREE_SPLIT_KERNEL", "pingpong")) kernel = kPingPong;
       if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = kSkinny;
       if (env_is("KDTREE_SPLIT_KERNEL", "trans")) kernel = kTrans;
+      if (env_is("KDTREE_SPLIT_KERNEL", "pair")) kernel = kDualPair;
+      if (env_is("KDTREE_SPLIT_KERNEL", "srefill")) kernel = kDualSRefill;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
@@ -184,7 +194,7 @@ DeviceInfo device_info(int dev, int* status) {
     // the small-call kernel beside the device's (not fatal when it cannot be configured: the device's serves every call)
     int small_kernel = 0, small_rows = 0;
 #ifdef KDTREE_HAVE_SM90A
-    if (kernel == kDual && !env_is("KDTREE_SKINNY", "0")) {
+    if (is_dual(kernel) && !env_is("KDTREE_SKINNY", "0")) {
       small_kernel = kSkinny;
       small_rows = kdtree::sk::kRows;
     }

@@ -166,6 +166,21 @@ __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64 x 64] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 64] (shared memory, K-major), fp32 accumulate: the
+// dual kernel's S over a pair of 32-key buffers (KDTREE_SPLIT_KERNEL=pair).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, "
+      "1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64 x 256] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 256] (shared memory, MN-major), fp32 accumulate.
 __device__ __forceinline__ void wgmma_m64n256k16_ss_bt(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
@@ -209,8 +224,10 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
 
 // Chunk cc (0..7) of each of the 9 slabs of key kt of tile t (TileN keys: 32, or the skinny kernel's 64) into the
 // key buffer at shared address `kv`, in the 128-byte swizzled layout, [slab][key][128 B] (zero-fill past the split
-// end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key.
-template <int TileN = kTileN>
+// end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key. SlabStride: the
+// bytes from one slab to the next (the dual kernel's pairs of 32-key buffers interleave their slabs: 8,192); slabs
+// [SlabBegin, SlabEnd) only (the dual kernel's KDTREE_DUAL_SPLIT_SLAB experiment).
+template <int TileN = kTileN, int SlabStride = TileN * 128, int SlabBegin = 0, int SlabEnd = kSlabs>
 __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, const ItemCtx& cx, int t, int kt, int cc,
                                                 long long slot) {
   const int key = cx.k0 + t * TileN + kt;
@@ -218,8 +235,8 @@ __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, 
   const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
   const uint32_t dst = kv + kt * 128 + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
-  for (int slab = 0; slab < kSlabs; ++slab)
-    cp_async_16z(dst + slab * (TileN * 128), src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
+  for (int slab = SlabBegin; slab < SlabEnd; ++slab)
+    cp_async_16z(dst + slab * SlabStride, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
 }
 // The tile announces itself: a thread follows its copies with this, which arrives on the tile's
 // mbarrier once they have landed, so no thread waits for its own copies.
