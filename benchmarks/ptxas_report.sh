@@ -19,7 +19,9 @@ for arch in 90a 120; do
               s/_ZN6kdtree2tr32kdtree_verify_split_trans_kernelENS_6ParamsE/kdtree_verify_split_trans_kernel/; \
               s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
               s/_ZN6kdtree2pp35kdtree_verify_split_pingpong_kernelENS_6ParamsE/kdtree_verify_split_pingpong_kernel/; \
-              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel/; \
+              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0ELb0EEEvNS_6ParamsE/kdtree_verify_split_dual_kernel<default>/; \
+              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb1ELb0EEEvNS_6ParamsE/kdtree_verify_split_dual_kernel<pair, KDTREE_SPLIT_KERNEL=pair>/; \
+              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0ELb1EEEvNS_6ParamsE/kdtree_verify_split_dual_kernel<srefill, KDTREE_SPLIT_KERNEL=srefill>/; \
               s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
               s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
               s/_ZN6kdtree25kdtree_verify_plan_kernelENS_6ParamsE/kdtree_verify_plan_kernel/"
@@ -42,9 +44,10 @@ int main() {
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
 echo "On sm_120 only the 2-stage kdtree_verify_split_kernel runs (48 rows; 32 rows x 2 key halves for calls of <= 32-row"
-echo "requests); the six wgmma kernel instantiations there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests"
+echo "requests); the eight wgmma kernel instantiations there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests"
 echo "(and, only with KDTREE_MIXED=1, its remainder instantiation a last row tile of <= 16 rows beside the dual kernel, session 15);"
-echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (slower than the default on every shape measured, H200, session 14)."
+echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (slower than the default on every shape measured, H200, session 14),"
+echo "the dual kernel's pair and srefill instantiations only under KDTREE_SPLIT_KERNEL=pair / srefill (slower, session 16)."
 echo "kdtree_verify_split_dual_kernel's 128 registers are its launch allocation (512 threads); setmaxnreg then gives"
-echo "its score warpgroups 88 and its value warpgroups 168 (verify_dual.cuh; ptxas checks each region: no spills); the"
+echo "its score warpgroups 88 and its value warpgroups 168 (96 / 160 in pair and srefill; verify_dual.cuh; ptxas checks each region: no spills); the"
 echo "trans kernel's 128 likewise, then 144 / 160 / 160 / 48 (score, value, value, producer: verify_trans.cuh)."

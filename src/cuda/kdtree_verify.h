@@ -137,15 +137,17 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * H200, session 15).
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
- * =pingpong, =skinny or =trans select the other sm_90a kernels for every call (one score warpgroup, verify_wgmma.cuh;
- * two symmetric warpgroups, verify_pingpong.cuh; 16-row items, verify_skinny.cuh; 48-row items with the keys as
- * the wgmma M, verify_trans.cuh, slower than the default on every shape measured). */
+ * =pingpong, =skinny, =trans, =pair or =srefill select the other sm_90a kernels for every call (one score warpgroup,
+ * verify_wgmma.cuh; two symmetric warpgroups, verify_pingpong.cuh; 16-row items, verify_skinny.cuh; 48-row items
+ * with the keys as the wgmma M, verify_trans.cuh; the dual kernel with S over pairs of key buffers, or with its score
+ * warpgroups copying the keys, verify_dual.cuh; the last three slower than the default on every shape measured). */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
 /* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 92 (sm_90a
  * wgmma, two score warpgroups), 90 (sm_90a wgmma, one score warpgroup), 91 (sm_90a wgmma, ping-pong
  * warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 94 (sm_90a trans: 48-row items
- * with both products transposed, KDTREE_SPLIT_KERNEL=trans), 3 or 2 (mma.sync with that many key stages).
+ * with both products transposed, KDTREE_SPLIT_KERNEL=trans), 96 / 97 (the dual kernel's pair / srefill variants,
+ * KDTREE_SPLIT_KERNEL=pair / srefill), 3 or 2 (mma.sync with that many key stages).
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 

@@ -103,17 +103,9 @@ __device__ unsigned g_trace[32][8];
 // + h kSlabBytes. P of buffer h's keys goes where that buffer's rope columns were (slab 8, read only by S): 4 KB, the
 // size of the P buffer it replaces, freed with the buffer when the value warpgroups are done with it. A pair whose
 // second tile is past the item's last runs its S over that buffer's stale keys, all of them masked (key >= k1).
-#ifndef KDTREE_DUAL_SREFILL_AFTER_S
-#define KDTREE_DUAL_SREFILL_AFTER_S 0
-#endif
-constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
-// SRefill with KDTREE_DUAL_SPLIT_SLAB = k in 1..8 (an experiment): the value warpgroups copy slabs [0, k) of every tile
-// as in the default (during P V), the score warpgroups slabs [k, 9) (during S)
-#ifndef KDTREE_DUAL_SPLIT_SLAB
-#define KDTREE_DUAL_SPLIT_SLAB 0
-#endif
-constexpr int kSplitSlab = KDTREE_DUAL_SPLIT_SLAB;
-static_assert(kSplitSlab >= 0 && kSplitSlab < kSlabs, "KDTREE_DUAL_SPLIT_SLAB: 0 (off) or 1..8");
+// Measured (H200, session 16, history 110): correct and sanitizer-clean, but 13-14% slower than the default on every
+// shape of 64-row items (H16 N9 P131072 153.2 against 135.3 us): a pair's S waits for both of its tiles, so the ring
+// runs 2 tiles ahead of the one in P V, not 3. Never chosen.
 
 template <bool Pair>
 struct Ring {
@@ -126,21 +118,28 @@ struct Ring {
 
 // Value thread vt's part of tile t into buffer b (the ring's layout), then its arrival on the buffer's mbarrier once
 // it has landed; nothing past the item's last tile.
-template <bool Pair, int SlabEnd = kSlabs>
+template <bool Pair>
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
                                             long long slot) {
   if (t >= cx.ntiles) return;
-  wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride, 0, SlabEnd>(Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), b), prm,
-                                                                   cx, t, vt / wg::kThreadsPerKey,
-                                                                   vt % wg::kThreadsPerKey, slot);
+  wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride>(Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), b), prm, cx, t,
+                                                        vt / wg::kThreadsPerKey, vt % wg::kThreadsPerKey, slot);
   wg::arrive_when_landed(&sm.full[b]);
 }
 
 // SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
-// (score warpgroup s: tiles t = s mod 2), and refill a buffer as soon as both value warpgroups are done with its tile
-// (empty[b]), before waiting for its next tile. The value warpgroups copy nothing: in the default they refill buffer
-// (t - 1) % 4 after the wait for P (t) and the issue of P V (t), ~2,600 clocks after P V (t - 1) freed it (trace,
-// session 16), and issuing the copies earlier there delays P V (t) (history 77, 80).
+// (score warpgroup s: tiles t = s mod 2, the first two with q), and refill the buffer of tile t - 2 with tile t + 2 once
+// both value warpgroups are done with it (empty[b]): before waiting for tile t, or (KDTREE_DUAL_SREFILL_AFTER_S=1)
+// while S (t) runs. The value warpgroups copy nothing: in the default they refill buffer (t - 1) % 4 after the wait
+// for P (t) and the issue of P V (t), ~2,600 clocks after P V (t - 1) freed it (trace, session 16), and issuing the
+// copies earlier there delays P V (t) (history 77, 80). Measured (H200, session 16, history 111): correct and
+// sanitizer-clean, but slower: 18% before the wait (H16 N9 P131072 159.8 against 135.3 us; a tile then takes ~8,900
+// clocks from its copies' issue to landing, against ~3,800 in the default), 3% while S runs (139.3 against 135.5).
+// Never chosen.
+#ifndef KDTREE_DUAL_SREFILL_AFTER_S
+#define KDTREE_DUAL_SREFILL_AFTER_S 0
+#endif
+constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -163,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 
   if (tid == 0) {
     for (int b = 0; b < kStages; ++b) {
-      mbar_init(&sm.full[b], !SRefill ? kValueThreads : kSplitSlab ? 128 + kValueThreads : 128);
+      mbar_init(&sm.full[b], SRefill ? 128 : kValueThreads);
       mbar_init(&sm.empty[b], kValueThreads);
     }
     for (int i = 0; i < 2; ++i) {
@@ -214,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         const uint32_t buf = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), j % kStages);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride, kSplitSlab>(buf, prm, cx, j, st / 8 + 16 * h, st % 8, sl[h]);
+          wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride>(buf, prm, cx, j, st / 8 + 16 * h, st % 8, sl[h]);
         wg::arrive_when_landed(&sm.full[j % kStages]);
       };
 
@@ -396,19 +395,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 
       // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
       long long slot = 0;
-      constexpr bool kValueCopies = !SRefill || kSplitSlab > 0;
-      constexpr int kValueSlabs = SRefill ? kSplitSlab : kSlabs;
-      if constexpr (kValueCopies) {
+      if constexpr (!SRefill) {
         long long slots[kStages + 1];
 #pragma unroll
         for (int t = 0; t <= kStages; ++t) slots[t] = wg::gather_slot(prm, cx, t, vt);
 #pragma unroll
         for (int t = 0; t < kStages; ++t) {
-          if (!SRefill && t == kQFirst) {   // the rest of the ring once q has landed
+          if (t == kQFirst) {   // the rest of the ring once q has landed
             mbar_wait(&sm.q_full, q_parity);
             q_parity ^= 1u;
           }
-          gather_tile<Pair, kValueSlabs>(sm, prm, cx, t, t, vt, slots[t]);
+          gather_tile<Pair>(sm, prm, cx, t, t, vt, slots[t]);
         }
         slot = slots[kStages];
       }
@@ -420,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       // that tile) takes tile t - 1 + kStages
       auto refill = [&](int t) {
         const long long next = wg::gather_slot(prm, cx, t + kStages, vt);
-        gather_tile<Pair, kValueSlabs>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
+        gather_tile<Pair>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
         slot = next;
       };
 
@@ -456,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
           wg::wg_commit();
           // while P V runs (earlier, before P V or before the wait for P, is slower: branch
           // next/dual-refill-placement, history 77 and 80)
-          if (kValueCopies && t > 0) refill(t);
+          if (!SRefill && t > 0) refill(t);
           if (warp == 8) KDTREE_DTRACE(6);
           wg::wg_wait0();
         }
@@ -464,8 +461,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
         if constexpr (SRefill) {
           if (t + kStages < nt) mbar_arrive(&sm.empty[b]);   // its score warpgroup refills it with tile t + 4
+        } else {
+          bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         }
-        if constexpr (kValueCopies) bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0

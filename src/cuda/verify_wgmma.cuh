@@ -225,9 +225,8 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
 // Chunk cc (0..7) of each of the 9 slabs of key kt of tile t (TileN keys: 32, or the skinny kernel's 64) into the
 // key buffer at shared address `kv`, in the 128-byte swizzled layout, [slab][key][128 B] (zero-fill past the split
 // end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key. SlabStride: the
-// bytes from one slab to the next (the dual kernel's pairs of 32-key buffers interleave their slabs: 8,192); slabs
-// [SlabBegin, SlabEnd) only (the dual kernel's KDTREE_DUAL_SPLIT_SLAB experiment).
-template <int TileN = kTileN, int SlabStride = TileN * 128, int SlabBegin = 0, int SlabEnd = kSlabs>
+// bytes from one slab to the next (the dual kernel's pairs of 32-key buffers interleave their slabs: 8,192).
+template <int TileN = kTileN, int SlabStride = TileN * 128>
 __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, const ItemCtx& cx, int t, int kt, int cc,
                                                 long long slot) {
   const int key = cx.k0 + t * TileN + kt;
@@ -235,7 +234,7 @@ __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, 
   const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
   const uint32_t dst = kv + kt * 128 + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
-  for (int slab = SlabBegin; slab < SlabEnd; ++slab)
+  for (int slab = 0; slab < kSlabs; ++slab)
     cp_async_16z(dst + slab * SlabStride, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
 }
 // The tile announces itself: a thread follows its copies with this, which arrives on the tile's
