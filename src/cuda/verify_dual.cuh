@@ -133,13 +133,14 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
 // while S (t) runs. The value warpgroups copy nothing: in the default they refill buffer (t - 1) % 4 after the wait
 // for P (t) and the issue of P V (t), ~2,600 clocks after P V (t - 1) freed it (trace, session 16), and issuing the
 // copies earlier there delays P V (t) (history 77, 80). Measured (H200, session 16, history 111): correct and
-// sanitizer-clean, but slower: 18% before the wait (H16 N9 P131072 159.8 against 135.3 us; a tile then takes ~8,900
-// clocks from its copies' issue to landing, against ~3,800 in the default), 3% while S runs (139.3 against 135.5).
-// Never chosen.
+// sanitizer-clean, but slower: 18% before the wait (H16 N9 P131072 159.8 against 135.3 us; a tile's S then ends
+// ~10,800 clocks after its copies were issued, against ~5,200 in the default: earlier copies land later), 3% while S
+// runs (139.3 against 135.5). Never chosen.
 #ifndef KDTREE_DUAL_SREFILL_AFTER_S
 #define KDTREE_DUAL_SREFILL_AFTER_S 0
 #endif
 constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
+
 template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
