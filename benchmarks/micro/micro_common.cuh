@@ -49,6 +49,22 @@ inline int* device_slots(const std::vector<int>& slots, int count) {
   return d;
 }
 
+// The gather micros' key pool: 2^21 random 1152-byte rows (2.4 GB, so the distinct keys come from DRAM), all of their
+// slots shuffled, and the SM count.
+struct KeyPool {
+  int sms, rows;
+  unsigned char* pool;
+  int* slots;
+};
+inline KeyPool key_pool() {
+  KeyPool k;
+  cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, 0);
+  k.rows = 1 << 21;
+  k.pool = filled_pool(k.rows, 1152);
+  k.slots = device_slots(shuffled_slots(k.rows), k.rows);
+  return k;
+}
+
 // Launch configuration of a 1-D grid, in clusters of `cluster` CTAs when cluster > 1 (attr must outlive cfg).
 inline cudaLaunchConfig_t launch_config(int grid, int block, int smem, int cluster, cudaLaunchAttribute& attr) {
   cudaLaunchConfig_t cfg = {};

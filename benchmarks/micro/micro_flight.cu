@@ -116,12 +116,13 @@ __global__ void __launch_bounds__(384, 1) flight(const unsigned char* pool, cons
 }
 
 template <int RING>
-void run(const unsigned char* pool, const int* slots, int nslots, int sms, int reuse, int hold) {
+void run(const KeyPool& k, int reuse, int hold) {
+  const int sms = k.sms;
   const int smem = RING * kTileBytes + 1024;
   long long* d;
   cudaMalloc(&d, 2 * sms * 8);
   cudaFuncSetAttribute(flight<RING>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const float ms = best_ms([&] { flight<RING><<<sms, 384, smem>>>(pool, slots, nslots, reuse, hold, d); });
+  const float ms = best_ms([&] { flight<RING><<<sms, 384, smem>>>(k.pool, k.slots, k.rows, reuse, hold, d); });
   const cudaError_t e = cudaDeviceSynchronize();
   std::vector<long long> h(2 * sms), fl(sms), per(sms);
   cudaMemcpy(h.data(), d, 2 * sms * 8, cudaMemcpyDeviceToHost);
@@ -140,16 +141,12 @@ void run(const unsigned char* pool, const int* slots, int nslots, int sms, int r
 }
 
 int main() {
-  int sms;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const int nrows = 1 << 21;   // 2.4 GB of keys: the distinct ones come from DRAM
-  unsigned char* pool = filled_pool(nrows, 1152);
-  int* slots = device_slots(shuffled_slots(nrows), nrows);
+  const KeyPool k = key_pool();
   for (int reuse : {3, 1})
     for (int hold : {0, 1000, 2000, 3000}) {
-      run<4>(pool, slots, nrows, sms, reuse, hold);
-      run<3>(pool, slots, nrows, sms, reuse, hold);
-      run<2>(pool, slots, nrows, sms, reuse, hold);
+      run<4>(k, reuse, hold);
+      run<3>(k, reuse, hold);
+      run<2>(k, reuse, hold);
     }
   return 0;
 }

@@ -64,12 +64,13 @@ __global__ void __launch_bounds__(384, 1) intake(const unsigned char* pool, cons
 }
 
 template <int MODE, int DEPTH = 4>
-void run(const char* what, const unsigned char* pool, const int* slots, int nslots, int sms, int reuse) {
+void run(const char* what, const KeyPool& k, int reuse) {
+  const int sms = k.sms;
   const int tiles = 1500;
   long long* d;
   cudaMalloc(&d, (sms + 1) * 8);
   cudaFuncSetAttribute(intake<MODE, DEPTH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  const float ms = best_ms([&] { intake<MODE, DEPTH><<<sms, 384, kSmem>>>(pool, slots, nslots, tiles, reuse, d); }, [] {});
+  const float ms = best_ms([&] { intake<MODE, DEPTH><<<sms, 384, kSmem>>>(k.pool, k.slots, k.rows, tiles, reuse, d); }, [] {});
   const cudaError_t e = cudaDeviceSynchronize();
   std::vector<long long> h(sms);
   cudaMemcpy(h.data(), d, sms * 8, cudaMemcpyDeviceToHost);
@@ -83,33 +84,29 @@ void run(const char* what, const unsigned char* pool, const int* slots, int nslo
 }
 
 int main() {
-  int sms;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const int nrows = 1 << 21;   // 2.4 GB of keys: the distinct ones come from DRAM
-  unsigned char* pool = filled_pool(nrows, 1152);
-  int* slots = device_slots(shuffled_slots(nrows), nrows);
+  const KeyPool k = key_pool();
   for (int reuse : {1, 3}) {
-    run<0>("gather alone", pool, slots, nrows, sms, reuse);
-    run<1>("+ S m64n32k16 (WG0)", pool, slots, nrows, sms, reuse);
-    run<2>("+ S as m64n64k16 (WG0, half the q bytes)", pool, slots, nrows, sms, reuse);
-    run<3>("+ P V m64n256k16 MN-major (WG0)", pool, slots, nrows, sms, reuse);
+    run<0>("gather alone", k, reuse);
+    run<1>("+ S m64n32k16 (WG0)", k, reuse);
+    run<2>("+ S as m64n64k16 (WG0, half the q bytes)", k, reuse);
+    run<3>("+ P V m64n256k16 MN-major (WG0)", k, reuse);
   }
   // the rate against the bytes in flight per SM (one tile: 36,864 B): what a ring gets when its buffers are
   // held by the products and only some of its stages are in flight (session 11)
   for (int reuse : {1, 3}) {
-    run<0, 1>("gather alone, 1 tile in flight", pool, slots, nrows, sms, reuse);
-    run<0, 2>("gather alone, 2 tiles in flight", pool, slots, nrows, sms, reuse);
-    run<0, 3>("gather alone, 3 tiles in flight", pool, slots, nrows, sms, reuse);
+    run<0, 1>("gather alone, 1 tile in flight", k, reuse);
+    run<0, 2>("gather alone, 2 tiles in flight", k, reuse);
+    run<0, 3>("gather alone, 3 tiles in flight", k, reuse);
   }
   // the same few tiles in flight with the products beside (session 16): a ring whose lead is 2-3 tiles (the dual
   // kernel's) sees the gather's latency, which 4 tiles in flight hide; does the products' shared-memory traffic
   // lengthen it?
   for (int reuse : {1, 3}) {
-    run<1, 2>("+ S m64n32k16, 2 tiles in flight", pool, slots, nrows, sms, reuse);
-    run<2, 2>("+ S as m64n64k16, 2 tiles in flight", pool, slots, nrows, sms, reuse);
-    run<3, 2>("+ P V, 2 tiles in flight", pool, slots, nrows, sms, reuse);
-    run<1, 1>("+ S m64n32k16, 1 tile in flight", pool, slots, nrows, sms, reuse);
-    run<3, 1>("+ P V, 1 tile in flight", pool, slots, nrows, sms, reuse);
+    run<1, 2>("+ S m64n32k16, 2 tiles in flight", k, reuse);
+    run<2, 2>("+ S as m64n64k16, 2 tiles in flight", k, reuse);
+    run<3, 2>("+ P V, 2 tiles in flight", k, reuse);
+    run<1, 1>("+ S m64n32k16, 1 tile in flight", k, reuse);
+    run<3, 1>("+ P V, 1 tile in flight", k, reuse);
   }
   return 0;
 }

@@ -110,21 +110,28 @@ __device__ unsigned g_trace[32][8];
 template <bool Pair>
 struct Ring {
   static constexpr int kSlabStride = Pair ? 2 * kSlabBytes : kSlabBytes;
-  // shared address of buffer b's first slab
-  static __device__ __forceinline__ uint32_t buffer(uint32_t kv, int b) {
-    return Pair ? kv + (b >> 1) * 2 * kTileBytes + (b & 1) * kSlabBytes : kv + b * kTileBytes;
+  static constexpr int kStepTiles = Pair ? 2 : 1;   // 32-key tiles per score step (one S, one softmax)
+  // byte offset of buffer b's first slab in the ring
+  static __device__ __forceinline__ uint32_t buffer(int b) {
+    return Pair ? (b >> 1) * 2 * kTileBytes + (b & 1) * kSlabBytes : b * kTileBytes;
   }
+  // score steps of an item of nt tiles
+  static __device__ __forceinline__ int steps(int nt) { return (nt + kStepTiles - 1) / kStepTiles; }
 };
 
-// Value thread vt's part of tile t into buffer b (the ring's layout), then its arrival on the buffer's mbarrier once
-// it has landed; nothing past the item's last tile.
+// Where the P of tile buffer b lives, written by score warpgroup s: p[s], or with Pair the buffer's rope slab.
 template <bool Pair>
-__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
-                                            long long slot) {
-  if (t >= cx.ntiles) return;
-  wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride>(Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), b), prm, cx, t,
-                                                        vt / wg::kThreadsPerKey, vt % wg::kThreadsPerKey, slot);
-  wg::arrive_when_landed(&sm.full[b]);
+__device__ __forceinline__ unsigned char* p_buffer(Smem& sm, int s, int b) {
+  return Pair ? &sm.kv[0][0] + Ring<Pair>::buffer(b) + (kSlabs - 1) * Ring<Pair>::kSlabStride : &sm.p[s][0];
+}
+
+// Copier thread i's part of tile t (Keys keys: wg::copy_tile) into ring buffer b, then its arrival on the buffer's
+// mbarrier once it has landed; nothing past the item's last tile.
+template <bool Pair, int Keys>
+__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
+                                            const long long (&slot)[Keys]) {
+  wg::copy_tile<Keys, Ring<Pair>::kSlabStride>(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b), &sm.full[b], prm, cx, t,
+                                               i, slot);
 }
 
 // SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
@@ -143,6 +150,7 @@ constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 
 template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
+  static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
@@ -203,31 +211,18 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       const long long t_item = clock64();   // just after the item fetch, as the value side's
 #endif
 
-      // SRefill: this warpgroup's slot ids of a tile's two keys, and its copies of a tile into the tile's buffer
-      long long refill_slots[2] = {0, 0};
-      auto key_slots = [&](int j, long long (&sl)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sl[h] = wg::tile_key_slot(prm, cx, j, st / 8 + 16 * h);
-      };
-      auto gather_own = [&](int j, const long long (&sl)[2]) {
-        if (j >= nt) return;
-        const uint32_t buf = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), j % kStages);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wg::copy_key_chunks<kTileN, Ring<Pair>::kSlabStride>(buf, prm, cx, j, st / 8 + 16 * h, st % 8, sl[h]);
-        wg::arrive_when_landed(&sm.full[j % kStages]);
-      };
+      long long refill_slots[2] = {0, 0};   // SRefill: this thread's two keys of the warpgroup's next refill
 
       // q of the item over the 256 score threads, all copies in flight at once
       wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
       if constexpr (SRefill) {   // then this warpgroup's first two tiles, s and s + 2
         cp_async_commit();
         long long s0[2], s1[2];
-        key_slots(s, s0);
-        key_slots(s + 2, s1);
-        key_slots(s + 4, refill_slots);
-        gather_own(s, s0);
-        gather_own(s + 2, s1);
+        wg::tile_slots<2>(prm, cx, s, st, s0);
+        wg::tile_slots<2>(prm, cx, s + 2, st, s1);
+        wg::tile_slots<2>(prm, cx, s + 4, st, refill_slots);
+        gather_tile<Pair, 2>(sm, prm, cx, s, s, st, s0);
+        gather_tile<Pair, 2>(sm, prm, cx, s + 2, s + 2, st, s1);
         cp_async_commit();
         cp_async_wait_group<1>();   // this thread's q copies
       } else {
@@ -239,20 +234,18 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 
       float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
       float l_own[2] = {0.f, 0.f};
-      constexpr int kSteps = Pair ? 2 : 1;   // 32-key tiles per score step
-      constexpr int kGroups = kSteps * kTileN / 8;
+      constexpr int kGroups = Ring<Pair>::kStepTiles * kTileN / 8;
       float sc[4 * kGroups];
-      const int nu = (nt + kSteps - 1) / kSteps;   // score steps of the item; this warpgroup's: u = s, s + 2, ...
+      const int nu = Ring<Pair>::steps(nt);   // score steps of the item; this warpgroup's: u = s, s + 2, ...
       for (int u = s; u < nu; u += 2) {
-        const int t = u * kSteps;   // the step's first tile
-        static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
+        const int t = u * Ring<Pair>::kStepTiles;   // the step's first tile
         // SRefill: tile t + 2 into the buffer of tile t - 2, once P V (t - 2) is done (tiles s and s + 2 came with q);
         // before the wait for tile t, or (KDTREE_DUAL_SREFILL_AFTER_S, an experiment) while S (t) runs
         auto refill_own = [&]() {
           if (t >= s + 2 && t + 2 < nt) {
             mbar_wait_buffer(sm.empty, empty_bits, (t + 2) % kStages);
-            gather_own(t + 2, refill_slots);
-            key_slots(t + 4, refill_slots);   // the next refill's, loaded a step ahead
+            gather_tile<Pair, 2>(sm, prm, cx, t + 2, (t + 2) % kStages, st, refill_slots);
+            wg::tile_slots<2>(prm, cx, t + 4, st, refill_slots);   // the next refill's, loaded a step ahead
           }
         };
         if constexpr (SRefill && !kSRefillAfterS) refill_own();
@@ -265,8 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         }
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         {
-          const uint32_t kb = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), Pair ? 2 * s : t % kStages);
-          const SmemDesc kd(kb, 16, 1024);
+          const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
           wg::wg_fence();
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
@@ -314,12 +306,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
           mbar_wait(&sm.p_empty[s], pe_parity);
           pe_parity ^= 1u;
         }
-        // P of tile t + (j >> 2) (key group j & 3 of it): the pair's rope columns of that buffer, or p[s]
-        unsigned char* const p0 = Pair ? &sm.kv[0][0] + s * 2 * kTileBytes + (kSlabs - 1) * 2 * kSlabBytes : &sm.p[s][0];
+        // key group j of the step: group j & 3 of tile t + (j >> 2), whose P is in that tile's buffer (Pair: buffer
+        // 2 s + (j >> 2)) or p[s]
         softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
           const int row = wrow + g + half * 8;
-          *reinterpret_cast<uint32_t*>(&p0[(j >> 2) * kSlabBytes + row * kPRowBytes + (((j & 3) ^ ((row >> 1) & 3)) << 4) +
-                                           4 * c]) = pair;
+          unsigned char* const p = p_buffer<Pair>(sm, s, 2 * s + (j >> 2));
+          *reinterpret_cast<uint32_t*>(&p[row * kPRowBytes + (((j & 3) ^ ((row >> 1) & 3)) << 4) + 4 * c]) = pair;
         });
         if (c == 0) {
           sm.alpha[s][wrow + g] = alpha[0];
@@ -395,20 +387,20 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 #endif
 
       // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
-      long long slot = 0;
+      long long slot[1] = {0};
       if constexpr (!SRefill) {
-        long long slots[kStages + 1];
+        long long slots[kStages + 1][1];
 #pragma unroll
-        for (int t = 0; t <= kStages; ++t) slots[t] = wg::gather_slot(prm, cx, t, vt);
+        for (int t = 0; t <= kStages; ++t) wg::tile_slots<1>(prm, cx, t, vt, slots[t]);
 #pragma unroll
         for (int t = 0; t < kStages; ++t) {
           if (t == kQFirst) {   // the rest of the ring once q has landed
             mbar_wait(&sm.q_full, q_parity);
             q_parity ^= 1u;
           }
-          gather_tile<Pair>(sm, prm, cx, t, t, vt, slots[t]);
+          gather_tile<Pair, 1>(sm, prm, cx, t, t, vt, slots[t]);
         }
-        slot = slots[kStages];
+        slot[0] = slots[kStages][0];
       }
 
       float o[128];
@@ -417,16 +409,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       // the buffer of the previous tile (both value warpgroups were done with it at the barrier that ended
       // that tile) takes tile t - 1 + kStages
       auto refill = [&](int t) {
-        const long long next = wg::gather_slot(prm, cx, t + kStages, vt);
-        gather_tile<Pair>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
-        slot = next;
+        long long next[1];
+        wg::tile_slots<1>(prm, cx, t + kStages, vt, next);
+        gather_tile<Pair, 1>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
+        slot[0] = next[0];
       };
 
       const int nt = cx.ntiles;
-      const int nu = Pair ? (nt + 1) / 2 : nt;   // the score side's steps
+      const int nu = Ring<Pair>::steps(nt);
       for (int t = 0; t < nt; ++t) {
         const int b = t % kStages;
-        const int u = Pair ? t >> 1 : t;   // the score step of tile t, by score warpgroup s
+        const int u = t / Ring<Pair>::kStepTiles;   // the score step of tile t, by score warpgroup s
         const int s = u & 1;
         const bool first = !Pair || (t & 1) == 0;   // the step's first tile: its P / alpha to wait for, O to rescale
         if (warp == 8) KDTREE_DTRACE(4);
@@ -440,10 +433,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
         if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {
-          const uint32_t kb = Ring<Pair>::buffer(smem_u32(&sm.kv[0][0]), b);
-          const uint64_t pd = desc_sw64(Pair ? kb + (kSlabs - 1) * 2 * kSlabBytes : smem_u32(&sm.p[s][0]));
+          const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
           constexpr int kStride = Ring<Pair>::kSlabStride;
-          const SmemDesc vd(kb + (4 * v) * kStride, kStride, 1024);
+          const SmemDesc vd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b) + (4 * v) * kStride, kStride, 1024);
           wg::wg_fence();
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {

@@ -77,20 +77,11 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_bt(float (&d)[128], const ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// Gather thread gt (0..127) of the owner copies chunk gt % 8 of each slab of keys gt / 8 and gt / 8 + 16
-// of tile t into buffer b, then arrives on the tile's mbarrier once they have landed. Past the last
-// tile: nothing.
+// Gather thread gt (0..127) of the owner: chunk gt % 8 of each slab of keys gt / 8 and gt / 8 + 16 of tile t into
+// buffer b (wg::copy_tile, two keys per thread).
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int gt,
                                             const long long (&slot)[2]) {
-  if (t >= cx.ntiles) return;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) wg::copy_key_chunks(smem_u32(&sm.kv[b][0]), prm, cx, t, gt / 8 + 16 * h, gt % 8, slot[h]);
-  wg::arrive_when_landed(&sm.full[b]);
-}
-
-__device__ __forceinline__ void gather_slots(const Params& prm, const ItemCtx& cx, int t, int gt, long long (&slot)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) slot[h] = wg::tile_key_slot(prm, cx, t, gt / 8 + 16 * h);
+  wg::copy_tile<2>(smem_u32(&sm.kv[b][0]), &sm.full[b], prm, cx, t, gt, slot);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kernel(Params prm) {
@@ -138,9 +129,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
     wg::issue_q_copies(prm, cx, H, sm.q, tid, kThreads);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     long long s0[2], s1[2], pend[2];
-    gather_slots(prm, cx, w, gt, s0);
-    gather_slots(prm, cx, w + 2, gt, s1);
-    gather_slots(prm, cx, w + 4, gt, pend);
+    wg::tile_slots<2>(prm, cx, w, gt, s0);
+    wg::tile_slots<2>(prm, cx, w + 2, gt, s1);
+    wg::tile_slots<2>(prm, cx, w + 4, gt, pend);
     gather_tile(sm, prm, cx, w, w, gt, s0);
     gather_tile(sm, prm, cx, w + 2, w + 2, gt, s1);
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");   // this thread's q copies (the gathers are uncommitted)
@@ -238,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       bar_arrive(kBarP + w, kThreads);
       if (t >= 2) {
         gather_tile(sm, prm, cx, t + 2, (t + 2) % kStages, gt, pend);
-        gather_slots(prm, cx, t + 4, gt, pend);
+        wg::tile_slots<2>(prm, cx, t + 4, gt, pend);
       }
       // 5. P V of tile t: the other tile's product done (then release its P and key buffer), O rescaled
       wg::wg_wait0();

@@ -251,20 +251,41 @@ __device__ __forceinline__ long long tile_key_slot(const Params& prm, const Item
              : 0;
 }
 
-// Value thread vt gathers chunk vt % 8 of each slab of key vt / 8 of tile t into buffer b, then
-// arrives on the tile's mbarrier once they have landed. Past the last tile nothing is issued and
-// nobody arrives.
-// (Any shared-memory struct with the key ring `kv` and its mbarriers `full`: the dual kernel's too.)
+// Copier thread i (of kTileN * kThreadsPerKey / Keys) copies chunk i % 8 of each slab of its Keys keys of tile t,
+// i / 8 + (kTileN / Keys) h for h < Keys, into the key buffer at shared address `buf` (slabs SlabStride apart), then
+// arrives on the buffer's mbarrier `full` once they have landed. Past the last tile nothing is issued and nobody
+// arrives. Keys 1: 256 value threads (the wgmma and dual kernels); 2: 128 threads (the pingpong kernel's owner
+// warpgroup, the dual kernel's score warpgroups with SRefill).
+template <int Keys, int SlabStride = kSlabBytes>
+__device__ __forceinline__ void copy_tile(uint32_t buf, unsigned long long* full, const Params& prm, const ItemCtx& cx,
+                                          int t, int i, const long long (&slot)[Keys]) {
+  if (t >= cx.ntiles) return;
+#pragma unroll
+  for (int h = 0; h < Keys; ++h)
+    copy_key_chunks<kTileN, SlabStride>(buf, prm, cx, t, i / kThreadsPerKey + (kTileN / Keys) * h, i % kThreadsPerKey,
+                                        slot[h]);
+  arrive_when_landed(full);
+}
+// The slot ids of copier thread i's keys of tile t, as copy_tile takes them.
+template <int Keys>
+__device__ __forceinline__ void tile_slots(const Params& prm, const ItemCtx& cx, int t, int i, long long (&slot)[Keys]) {
+#pragma unroll
+  for (int h = 0; h < Keys; ++h) slot[h] = tile_key_slot(prm, cx, t, i / kThreadsPerKey + (kTileN / Keys) * h);
+}
+
+// Value thread vt's copies of tile t into buffer b of a ring of whole tiles (`kv`, mbarriers `full`): copy_tile, one
+// key per thread.
 template <class SmemT>
 __device__ __forceinline__ void gather_tile(SmemT& sm, const Params& prm, const ItemCtx& cx, int t, int b, int vt,
                                             long long slot) {
-  if (t >= cx.ntiles) return;
-  copy_key_chunks(smem_u32(&sm.kv[b][0]), prm, cx, t, vt / kThreadsPerKey, vt % kThreadsPerKey, slot);
-  arrive_when_landed(&sm.full[b]);
+  const long long one[1] = {slot};
+  copy_tile<1>(smem_u32(&sm.kv[b][0]), &sm.full[b], prm, cx, t, vt, one);
 }
 
 __device__ __forceinline__ long long gather_slot(const Params& prm, const ItemCtx& cx, int t, int vt) {
-  return tile_key_slot(prm, cx, t, vt / kThreadsPerKey);
+  long long one[1];
+  tile_slots<1>(prm, cx, t, vt, one);
+  return one[0];
 }
 
 // The block's k-th work item in kernels whose producer warpgroup runs up to one item ahead of the others (the skinny

@@ -98,7 +98,7 @@ _KERNEL_NAMES = {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 93: "wgmma
 
 def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
     """The split kernel that runs on the current device: ``"wgmma-dual"``, ``"wgmma"``, ``"wgmma-pingpong"``,
-    ``"wgmma-skinny"``, ``"wgmma-trans"`` or ``"wgmma-dual-pair"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
+    ``"wgmma-skinny"``, ``"wgmma-trans"``, ``"wgmma-dual-pair"`` or ``"wgmma-dual-srefill"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
     runs the dual kernel and no request can exceed 16 rows, ``"wgmma-dual+skinny"`` there, with KDTREE_MIXED=1, when
     each request's last 64-row tile has at most 16 rows: that tile as skinny items beside the dual kernel, ``"mma.sync-2stage-32row"``
