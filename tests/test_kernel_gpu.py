@@ -318,6 +318,28 @@ def test_reused_plan_in_a_cuda_graph():
             assert torch.equal(out, kdtree.verify_attention(**args)), f"replay {rep}, layer {i} differs from eager"
 
 
+@pytest.mark.parametrize("fill", [0x01, 0xFF])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_a_fresh_workspace_may_hold_anything(fill, tokens):
+    # the combine starts while the split pass runs and waits for each row tile's items on counters in the
+    # workspace (tile_done): the plan kernel zeroes them, whatever an uninitialised buffer holds (0x01 bytes:
+    # counters already past every target, so a missing zeroing reads partials before they are written; 0xFF:
+    # negative, it would never see them all), and every call leaves them zero for the next (a second call on
+    # the plan, with new values, must wait for its own items again)
+    batch = make_verify_batch([20000, 3000], 16, tokens, device="cuda", seed=61 + tokens)
+    args = batch.verify_args()
+    t, h = batch.q.shape[:2]
+    need = kdtree._ext.load().workspace_size(2, t, h)
+    ws = torch.full((need,), fill, dtype=torch.uint8, device="cuda")
+    out, _ = _run(batch, workspace=ws)
+    _check(out, args)
+    batch.q.copy_(torch.randn_like(batch.q))
+    args = batch.verify_args()
+    out2, _ = _run(batch, workspace=ws, reuse_plan=True)
+    _check(out2, args)
+    assert torch.equal(out2, kdtree.verify_attention(**args)), "the reused plan's result differs"
+
+
 def test_tree_mask_narrower_than_the_drafts_is_never_read_past():
     # 70 drafts but a 1-word (64-column) mask: the host cannot see N_b without a sync, so the kernel
     # must treat drafts 64.. as invisible rather than read past the mask row (memory safety).

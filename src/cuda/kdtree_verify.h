@@ -135,6 +135,9 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in: up to ~3% faster
  * at H16 N9 with long prefixes at the best SM split, within the spread at the default one, slower on other shapes;
  * H200, session 15).
+ * The combine merges each row tile as soon as that tile's split items have stored their partials (it starts while the
+ * split pass still runs; counters in the workspace, zeroed by the plan kernel and left zero by every call);
+ * KDTREE_EARLY_COMBINE=0 (read once per device) makes it wait for the whole split pass instead.
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
  * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
  * =pingpong, =skinny, =trans, =pair or =srefill select the other sm_90a kernels for every call (one score warpgroup,

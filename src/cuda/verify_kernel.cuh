@@ -213,6 +213,14 @@ struct Params {
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
   __nv_bfloat16* partial_o;  // [max_partial_rows, 512]
+  // Per split row tile (indexed by its first row's partial row at split 0, tile_done_index): tile_done[i] counts the
+  // tile's finished split items (done_arrivals each), tile_seen[i] the combine's works that saw them all. Both are 0
+  // between calls: the plan kernel zeroes its tiles', and the combine work that sees a tile last zeroes both.
+  int* tile_done;     // [max_partial_rows]
+  int* tile_seen;     // [max_partial_rows]
+  // Arrivals on tile_done per split item of the split kernel that runs (1), or 0 for a kernel that signals nothing
+  // (the trans experiment): the combine then waits for the whole split pass at its start, as before session 17.
+  int done_arrivals;
 };
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
@@ -255,16 +263,16 @@ __device__ __forceinline__ void grid_dependency_launch_dependents() {
 // 2 split, 3 combine) the %globaltimer of its first block's start, of the first block past
 // griddepcontrol.wait and of its last block's end; the combine's last block prints them (ns from the
 // first start) and resets them for the next call. benchmarks/timeline_case.py runs it in a CUDA graph.
-#ifdef KDTREE_EXP_TIMELINE
-// [4]: inside the combine, the latest block's (plan read, partials summed, row stored) of its first work
-__device__ unsigned long long g_timeline[5][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0},
-                                                  {0, 0, 0}};
-__device__ unsigned g_timeline_done = 0;
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#ifdef KDTREE_EXP_TIMELINE
+// [4]: inside the combine, the latest block's (plan read, partials summed, row stored) of its first work
+__device__ unsigned long long g_timeline[5][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0},
+                                                  {0, 0, 0}};
+__device__ unsigned g_timeline_done = 0;
 #define KDTREE_TIMELINE_BY(cond, k, e) \
   do { if (cond) { if (e == 2) atomicMax(&g_timeline[k][2], global_ns()); else atomicMin(&g_timeline[k][e], global_ns()); } } while (0)
 #define KDTREE_TIMELINE(k, e) KDTREE_TIMELINE_BY(threadIdx.x == 0, k, e)
@@ -341,6 +349,26 @@ __device__ __forceinline__ long long partial_index(const ReqPlan& rp, int heads,
 }
 // How many splits request-local row rr's keys were cut into (1: its item wrote the output row).
 __device__ __forceinline__ int row_nsplit(const ReqPlan& rp, int rr) { return rr < rp.rows_f ? rp.nsplit : rp.nsplit_s; }
+// The first row of request-local row rr's row tile (a split kernel's tile of block_m rows, or a mixed call's remainder),
+// and the tile's entry in Params::tile_done / tile_seen: its first row's partial row at split 0 (distinct per tile; a
+// tile is split only when it has partial rows).
+__device__ __forceinline__ int tile_row0(const ReqPlan& rp, int block_m, int rr) {
+  return rr < rp.rows_f ? rr / block_m * block_m : rp.rows_f;
+}
+__device__ __forceinline__ long long tile_done_index(const ReqPlan& rp, int heads, int row0) {
+  return partial_index(rp, heads, row0, 0);
+}
+// The plan's zeroes for request rp's split row tiles (a fresh workspace; afterwards the combine leaves them zero).
+__device__ __forceinline__ void zero_tile_counters(const Params& prm, const ReqPlan& rp) {
+  const int r = rp.n * prm.heads;
+  for (int row0 = 0; row0 < r; row0 = row0 < rp.rows_f ? row0 + prm.block_m : r) {
+    if (row_nsplit(rp, row0) <= 1) continue;
+    const long long i = tile_done_index(rp, prm.heads, row0);
+    prm.tile_done[i] = 0;
+    prm.tile_seen[i] = 0;
+  }
+}
+
 
 // The plan's totals for the split and combine kernels: the work counter reset, the item count, and the
 // combine's loop bound from the largest split count of any request.
@@ -391,6 +419,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
         rp.item_begin_s = inc_items_s - items_s;
         rp.partial_row = inc_rows - rows;
         prm.plan[tid] = rp;
+        zero_tile_counters(prm, rp);
       }
       if (tid == 31) write_plan_totals(prm, inc_items, max_nsplit, inc_items_s);
     }
@@ -433,6 +462,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
       rp.item_begin_s = s_carry_items_s + s_items_s[tid] - items_s;
       rp.partial_row = s_carry_rows + s_rows[tid] - rows;
       prm.plan[b] = rp;
+      zero_tile_counters(prm, rp);
     }
     __syncthreads();
     if (tid == kPlanThreads - 1) {
@@ -606,6 +636,23 @@ __device__ __forceinline__ ItemCtx item_ctx_rem(const Params& prm, int item) {
   cx.ntiles = (cx.rp.cells_s - cx.split + cx.rp.nsplit_s - 1) / cx.rp.nsplit_s;   // cells, some of them empty
   return cx;
 }
+// End of split item cx, by one thread of the kernel after a barrier that follows every store of the item's partials
+// (its rows' partial O and log-sum-exp): the release that lets the combine read them (CUTLASS's generic barrier
+// pattern: the writers' barrier, then one thread's gpu-scope fence and relaxed add). Nothing for an unsplit tile.
+// (item_done_index: the item's tile counter, -1 for an unsplit tile; a kernel short of registers at its item's end
+// keeps it in shared memory and signals with signal_tile_done.)
+__device__ __forceinline__ long long item_done_index(const Params& prm, const ItemCtx& cx) {
+  return row_nsplit(cx.rp, cx.row0) > 1 ? tile_done_index(cx.rp, prm.heads, cx.row0) : -1;
+}
+__device__ __forceinline__ void signal_tile_done(const Params& prm, long long i) {
+  if (i < 0 || prm.done_arrivals == 0) return;   // (0: the combine waits for the whole pass and reads no counter)
+  asm volatile("fence.acq_rel.gpu;\n"
+               "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(prm.tile_done + i) : "memory");
+}
+__device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCtx& cx) {
+  signal_tile_done(prm, item_done_index(prm, cx));
+}
+
 // Cell t of a remainder item: keys [kb, ke) (empty when kb >= ke: past the request's last key).
 __device__ __forceinline__ void rem_tile(const ItemCtx& cx, int t, int& kb, int& ke) {
   const int g = cx.split + t * cx.rp.nsplit_s;
@@ -821,8 +868,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
   const int lane = tid & 31;
   const int g = lane >> 2;  // mma group: row within an 8-row half
   const int c = lane & 3;   // thread in group: column pair
-  grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
   const int total = prm.counter[1];
   const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
   const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
@@ -1115,6 +1162,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
       }
     }
     __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
+    // (a thread that issues no copies and not the claimer, whose next claim's round trip hides this one's)
+    if (tid == kThreads - 1) signal_item_done(prm, cx);
 #ifdef KDTREE_EXP_TRACE
     if (tid == 0 && blockIdx.x < 2) {
       printf("TRACE block %d item %d tiles %d prologue %lld total %lld\n", blockIdx.x, item, cx.ntiles,
@@ -1167,20 +1216,58 @@ __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
   return v;
 }
 
+// A combine work of request-local row r (nsplit splits) waits, in one thread, until every split item of the row's tile
+// has stored its partials (acquire: the block barrier after it orders the block's loads of them); returns the tile's
+// counter index. A wait that outlasts kDoneWaitNs can only be a broken count: it traps (a launch error) rather than
+// hang the GPU.
+constexpr unsigned long long kDoneWaitNs = 30ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ long long wait_tile_done(const Params& prm, const ReqPlan& rp, int r, int nsplit) {
+  const long long i = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
+  const int target = nsplit * prm.done_arrivals;
+  const int* done = prm.tile_done + i;
+  int n;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
+  if (n < target) {
+    const unsigned long long t0 = global_ns();
+    do {
+      __nanosleep(128);
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
+      if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
+    } while (n < target);
+  }
+  return i;
+}
+// The works of row r's tile: its rows times the slices of each (every one passes wait_tile_done once per call).
+__device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, int r, int slices) {
+  const int row0 = tile_row0(rp, prm.block_m, r);
+  const int rows = row0 < rp.rows_f ? min(prm.block_m, rp.rows_f - row0) : rp.n * prm.heads - rp.rows_f;
+  return rows * slices;
+}
+
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineAcc];
   __shared__ float s_wsum[kCombineThreads];   // per thread group: its weight sum at the block maximum
   __shared__ float s_red[kCombineWarps];
+  __shared__ long long s_tile[2];   // the work's tile: its counter index and its work count
   KDTREE_TIMELINE(3, 0);
-  grid_dependency_wait();                  // the split pass's partials (programmatic launch)
+  // With done_arrivals, the combine starts while the split pass still runs: its blocks are scheduled once every split
+  // block has passed its own wait for the plan kernel (the split kernels let their dependents launch only then), so
+  // the plan is complete, and each work waits only for its own row tile's items (tile_done); the wait for the whole
+  // split pass comes at the end, so that this kernel's completion still implies the split pass's. Without them
+  // (a split kernel that signals nothing), the whole split pass first.
+  const bool early = prm.done_arrivals > 0;
+  if (!early) grid_dependency_wait();      // the split pass's partials (programmatic launch)
   KDTREE_TIMELINE(3, 1);
   const int tid = threadIdx.x;
   // the split pass is over: reset its work counter, so that the next call on this workspace may run on
   // the same plan without the plan kernel (kdtree_verify_params.reuse_plan)
-  if (blockIdx.x == 0 && tid == 0) {
-    prm.counter[0] = 0;
-    prm.counter[4] = 0;   // the skinny items' work counter (mixed calls)
-  }
+  auto reset_work_counters = [&] {
+    if (blockIdx.x == 0 && tid == 0) {
+      prm.counter[0] = 0;
+      prm.counter[4] = 0;   // the skinny items' work counter (mixed calls)
+    }
+  };
+  if (!early) reset_work_counters();
   // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
   // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
   // a skipped iteration, not a launched block
@@ -1197,6 +1284,13 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     if (nsplit <= 1) continue;                                                      // block-uniform
     const int slices = combine_slices(nsplit);
     if (slice >= slices) continue;                                                  // block-uniform
+    if (early) {   // the row tile's split items have all stored their partials
+      if (tid == 0) {
+        s_tile[0] = wait_tile_done(prm, rp, r, nsplit);
+        s_tile[1] = tile_works(prm, rp, r, slices);   // (for the end of the work, kept out of registers)
+      }
+      __syncthreads();
+    }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
     const int cols = kDimNope / slices;       // value columns of this block
     const int lanes = cols / 8;               // threads per split row (8 columns each)
@@ -1217,8 +1311,10 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
 #pragma unroll
       for (int k = 0; k < kCombineBatch; ++k) {
         const int sp = base + k * groups;
-        l[k] = sp < nsplit ? lse[sp * rstride] : -INFINITY;
-        v[k] = sp < nsplit ? *reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope) : make_uint4(0, 0, 0, 0);
+        // (from L2: written by other SMs during this kernel when it started early)
+        l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
+        v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
+                           : make_uint4(0, 0, 0, 0);
       }
       float m_new = m_run;
 #pragma unroll
@@ -1263,6 +1359,20 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
           pack_bf16(v0 * inv, v1 * inv);
     }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
+    // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call: no
+    // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
+    // s_tile: after its stores, so that the round trip delays only its own warp's next wait)
+    if (early && tid == 0) {
+      const long long tile = s_tile[0];
+      if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
+        prm.tile_done[tile] = 0;
+        prm.tile_seen[tile] = 0;
+      }
+    }
+  }
+  if (early) {
+    grid_dependency_wait();   // the split pass's completion (this kernel's then implies it)
+    reset_work_counters();
   }
 #ifdef KDTREE_EXP_TIMELINE
   KDTREE_TIMELINE(3, 2);

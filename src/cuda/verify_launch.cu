@@ -36,7 +36,7 @@ constexpr int kSplitsPerSm = KDTREE_SPLITS_PER_SM;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct Layout {
-  size_t header, zero_row, plan, lse, partial, total;
+  size_t header, zero_row, plan, lse, partial, tile_done, tile_seen, total;
   long long max_partial_rows;
 };
 
@@ -56,7 +56,9 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
-  l.total = l.partial + align_up((size_t)l.max_partial_rows * kdtree::kDimNope * sizeof(__nv_bfloat16));
+  l.tile_done = l.partial + align_up((size_t)l.max_partial_rows * kdtree::kDimNope * sizeof(__nv_bfloat16));
+  l.tile_seen = l.tile_done + align_up((size_t)l.max_partial_rows * sizeof(int));
+  l.total = l.tile_seen + align_up((size_t)l.max_partial_rows * sizeof(int));
   return l;
 }
 
@@ -98,6 +100,7 @@ struct SplitLaunch {
   size_t smem;
   int block_m;   // rows per work item
   int tile_n;    // keys per pipeline tile: splits are whole tiles
+  int done_arrivals = 1;   // Params::done_arrivals: 1 (signal_item_done once per item), 0 for the trans kernel
 };
 SplitLaunch split_launch(int kernel) {
   using kdtree::kTileN;
@@ -119,7 +122,7 @@ SplitLaunch split_launch(int kernel) {
             kdtree::sk::kThreads, kdtree::sk::kSmemBytes, kdtree::sk::kRows, kdtree::sk::kTileN};
   if (kernel == kTrans)
     return {kdtree::tr::kdtree_verify_split_trans_kernel, kdtree::tr::kThreads, kdtree::tr::kSmemBytes,
-            kdtree::tr::kRows, kdtree::tr::kTileN};
+            kdtree::tr::kRows, kdtree::tr::kTileN, 0};   // (a closed experiment: its combine waits for the whole pass)
   if (kernel == kMma2)
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
             kdtree::MmaWide::kBlockM, kTileN};
@@ -145,6 +148,7 @@ struct DeviceInfo {
   int small_rows;
   bool mixed;        // kMixed calls (a last row tile of <= 16 rows as skinny items)
   int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a mixed call, or -1 (unset: the model's)
+  bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
 };
 
 bool env_is(const char* name, const char* value) {
@@ -220,7 +224,7 @@ DeviceInfo device_info(int dev, int* status) {
     const char* mixed_sms = getenv("KDTREE_MIXED_SMS");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed,
-                           mixed_sms ? std::max(atoi(mixed_sms), 0) : -1};
+                           mixed_sms ? std::max(atoi(mixed_sms), 0) : -1, !env_is("KDTREE_EARLY_COMBINE", "0")};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -415,6 +419,10 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.plan = reinterpret_cast<ReqPlan*>(ws + lay.plan);
   prm.partial_lse = reinterpret_cast<float*>(ws + lay.lse);
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
+  prm.tile_done = reinterpret_cast<int*>(ws + lay.tile_done);
+  prm.tile_seen = reinterpret_cast<int*>(ws + lay.tile_seen);
+  // (a mixed call's skinny kernel signals as the dual one: once per item)
+  prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
 
   const bool pdl = dev.pdl;
   if (!p->reuse_plan)

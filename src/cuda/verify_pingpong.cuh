@@ -95,8 +95,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
   const int lane = tid & 31;
   const int g = lane >> 2;
   const int c = lane & 3;
-  grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
   const int total = prm.counter[1];
   const int H = prm.heads;
 
@@ -270,6 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_pingpong_kern
       }
     }
     __syncthreads();   // the item's shared memory is consumed before the next item starts
+    if (tid == 32) signal_item_done(prm, cx);   // every partial of the item is stored (not the claimer)
   }
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel

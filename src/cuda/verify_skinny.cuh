@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(2, 0);
-  grid_dependency_launch_dependents();
   if constexpr (!Rem) grid_dependency_wait();   // the plan kernel's counter and plan
+  grid_dependency_launch_dependents();   // (after the wait: the combine reads the plan as soon as it starts)
   KDTREE_TIMELINE(2, 1);
   const int total = Rem ? __ldcg(prm.counter + 3) : prm.counter[1];
   const int H = prm.heads;
@@ -270,6 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
             *reinterpret_cast<const uint4*>(&sm.stage[r * kDimNope + ch * 8]);
       }
       if (row_nsplit(cx.rp, cx.row0) > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
+      bar_sync(kBarConsumer, kConsumerThreads);   // every partial of the item is stored
+      if (tid == 0) signal_item_done(prm, cx);
       // (stage, lred and the row statistics are written again only after the next item's barriers)
     }
   } else {

@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
   const int g = lane >> 2;
   const int c = lane & 3;
   KDTREE_TIMELINE(2, 0);
-  grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
+  grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
   KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;
@@ -498,6 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       }
       finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l, [] { bar_sync(kBarBlock, kThreads); });
       __syncthreads();   // the item's shared memory is consumed before the next item starts
+      if (tid == 32) signal_item_done(prm, cx);   // every partial of the item is stored (not the claimer)
 #ifdef KDTREE_EXP_TRACE
       if (tid == 0 && blockIdx.x < 2) {
         printf("TRACE block %d item %d tiles %d total %lld\n", blockIdx.x, item, cx.ntiles, clock64() - t_item);
