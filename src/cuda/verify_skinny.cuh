@@ -98,8 +98,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(2, 0);
+  // the combine may be scheduled at once (and its blocks fit beside this kernel's): with small calls it waits for the
+  // whole pass (SplitLaunch::done_arrivals 0; letting it start only after this wait, as the early combine would
+  // need, cost H16 N1 P131072 ~2 us, session 17); a mixed call's remainder kernel starts after the plan anyway
+  grid_dependency_launch_dependents();
   if constexpr (!Rem) grid_dependency_wait();   // the plan kernel's counter and plan
-  grid_dependency_launch_dependents();   // (after the wait: the combine reads the plan as soon as it starts)
   KDTREE_TIMELINE(2, 1);
   const int total = Rem ? __ldcg(prm.counter + 3) : prm.counter[1];
   const int H = prm.heads;
@@ -270,8 +273,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
             *reinterpret_cast<const uint4*>(&sm.stage[r * kDimNope + ch * 8]);
       }
       if (row_nsplit(cx.rp, cx.row0) > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
-      bar_sync(kBarConsumer, kConsumerThreads);   // every partial of the item is stored
-      if (tid == 0) signal_item_done(prm, cx);
+      if constexpr (Rem) {   // a mixed call's remainder: the early combine waits for its items too
+        bar_sync(kBarConsumer, kConsumerThreads);   // every partial of the item is stored
+        if (tid == 0) signal_item_done(prm, cx);
+      }
       // (stage, lred and the row statistics are written again only after the next item's barriers)
     }
   } else {
