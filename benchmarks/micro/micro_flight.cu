@@ -28,19 +28,6 @@ constexpr int kTileBytes = 9 * 4096;
 constexpr int kTiles = 1200;
 constexpr int kSkip = 100;
 
-__device__ __forceinline__ void mbar_init(uint64_t* b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(n));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
-}
-
 template <int RING>
 __global__ void __launch_bounds__(384, 1) flight(const unsigned char* pool, const int* slots, int nslots, int reuse,
                                                  int hold, long long* out) {

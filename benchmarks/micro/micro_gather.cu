@@ -21,9 +21,6 @@
 
 constexpr int kTile = 32, kKeyBytes = 1152, kChunks = kKeyBytes / 16, kSlabs = 9, kSlabBytes = kTile * 128;
 constexpr int kTileBytes = kTile * kKeyBytes, kThreads = 256;
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
-  asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(phase) : "memory");
-}
 
 template <int MODE, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) gather(const __grid_constant__ CUtensorMap tmap, const unsigned char* pool,

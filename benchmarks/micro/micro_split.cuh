@@ -82,13 +82,17 @@ __device__ __forceinline__ void pv_round(float (&o)[128], uint32_t pb, uint32_t 
 // Gather thread vt (0..255) copies chunk vt % 8 of every slab of key vt / 8 of one 32-key tile (the kernel's
 // split: 9 cp.async of 16 B) from pool row `slot` into the ring tile at `tile`; returns with at most kInFlight
 // tiles of this thread's copies outstanding.
-template <int kInFlight = 4>
-__device__ __forceinline__ void gather_tile_async(const unsigned char* pool, int slot, int vt, uint32_t tile) {
+// (gather_tile_copies: the copies alone, for a caller that tracks them on an mbarrier.)
+__device__ __forceinline__ void gather_tile_copies(const unsigned char* pool, int slot, int vt, uint32_t tile) {
   const int key = vt / 8, cc = vt % 8;
   const unsigned char* src = pool + (long long)slot * 1152 + cc * 16;
   const uint32_t dst = tile + key * 128 + ((cc ^ (key & 7)) << 4);
 #pragma unroll
   for (int slab = 0; slab < 9; ++slab)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + slab * 4096), "l"(src + slab * 128) : "memory");
+}
+template <int kInFlight = 4>
+__device__ __forceinline__ void gather_tile_async(const unsigned char* pool, int slot, int vt, uint32_t tile) {
+  gather_tile_copies(pool, slot, vt, tile);
   asm volatile("cp.async.commit_group;\ncp.async.wait_group %0;\n" ::"n"(kInFlight - 1) : "memory");
 }
