@@ -157,14 +157,9 @@ __global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const 
       mbar_wait(&p_full[pi], (t >> 1) & 1);
       if (GATHER) mbar_wait(&full[b], (t / RING) & 1);   // complete by now (its score warpgroup saw it): acquires V
       const float a0 = alpha[pi][r0], a1 = alpha[pi][r0 + 8];
-      if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
+      if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {   // accumulator i is row r0 + 8 ((i >> 1) & 1)
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
-        }
+        for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
       }
       const uint64_t pd = desc_sw64(pb + pi * kPBytes);
       const uint32_t vbase = kb + b * kTile + (4 * v) * 4096;
