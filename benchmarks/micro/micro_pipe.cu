@@ -7,18 +7,22 @@
 // (micro_flight, history 115), and then waits inside the SM. Registers allow q in registers for one score warpgroup
 // only (144 of its 192 registers, beside two value warpgroups at 160): session 8's one-score-warpgroup layout, which
 // lost to two score warpgroups because its softmax waited behind its own wgmma. Does that layout, with S reading no q
-// from shared memory and a ring of six buffers, beat ~2,620 clocks per tile?
-// 1 CTA per SM, 384 threads, the kernel's protocol without masks, items or results:
+// from shared memory and a ring of six buffers, beat ~2,620 clocks per tile, and the dual layout in the same frame?
+// 1 CTA per SM, 384 threads (SWG 1), the kernel's protocol without masks, items or results:
 // - warpgroup 0 (score, setmaxnreg 192): per tile t, waits for its keys (full[t % RING]), S = q K^T (36 wgmma
 //   m64n32k16: RS with q's 36 fragments in registers, or SS with q in shared memory), the online softmax of its 64 x
 //   32 scores (row maxima over the quad, exp2, running sums), P as bf16 into p[t % 2] (64-byte swizzle, as the dual
 //   kernel) and alpha into shared memory once the value warpgroups are done with P (t - 2), then p_full[t % 2];
-// - warpgroups 1-2 (value, setmaxnreg 160): wait for P (t), rescale O (64 rows x 256 columns each), P V (2 wgmma
-//   m64n256k16, V MN-major from the tile's buffer), release P, and once both are done with the buffer refill it with
+// - warpgroups 1-2 (value, setmaxnreg 160): wait for P (t), rescale O (64 rows x 256 columns each), P V (2 x 2 wgmma
+//   m64n128k16, V MN-major from the tile's buffer), release P, and once both are done with the buffer refill it with
 //   tile t + RING (9 cp.async of 16 B per thread, cp.async.mbarrier.arrive.noinc on full[b]).
+// SWG 2 is the dual kernel's layout in the same frame (the baseline): two score warpgroups at 88 registers with q in
+// shared memory take alternate tiles and hand each other the running row maxima (m of tile t - 1 before tile t's
+// softmax, as verify_dual.cuh), two value warpgroups at 168, a ring of 4.
 // Keys: random 1152-byte rows from a 2.4 GB pool, each key range read by `reuse` consecutive CTAs (3: the three 64-row
 // items of an H16 N9 split). GATHER false: the keys stay in place (the chain alone, no copies).
-// Reports the median SM's clocks per tile (tiles kSkip .. kTiles - 1) and the keys' rate into the SMs.
+// Reports the median SM's clocks per tile (the value side's P V of tiles kSkip .. kTiles - 1) and the keys' rate into
+// the SMs. Compare the lines within one run (micro numbers vary 5-20% between runs).
 #include <cstdio>
 #include <cstdint>
 #include <vector>
@@ -43,29 +47,33 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(a), "f"(b));
   return r;
 }
-template <int N>
+template <int N, int Launch>   // a warpgroup's registers from the launch's share
 __device__ __forceinline__ void set_max_regs() {
-  if constexpr (N > 168) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  if constexpr (N > Launch) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-template <bool QREG, int RING, bool GATHER>
-__global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const int* slots, int nslots, int reuse,
-                                               const uint32_t* qsrc, long long* out) {
+template <int SWG, bool QREG, int RING, bool GATHER>
+__global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* pool, const int* slots, int nslots,
+                                                           int reuse, const uint32_t* qsrc, long long* out) {
+  static_assert(SWG == 1 || !QREG, "q in registers fits one score warpgroup only");
+  constexpr int kThreads = 128 * (SWG + 2), kLaunchRegs = SWG == 1 ? 168 : 128;
+  constexpr int kScoreRegs = SWG == 1 ? 192 : 88, kValueRegs = SWG == 1 ? 160 : 168;
   extern __shared__ __align__(1024) unsigned char raw[];
   unsigned char* sm = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
   constexpr int kQBytes = QREG ? 0 : kQ;
   const uint32_t qb = smem_u32(sm), kb = qb + kQBytes, pb = kb + RING * kTile;
-  __shared__ uint64_t full[RING], p_full[2], p_empty[2];
-  __shared__ float alpha[2][64];
+  __shared__ uint64_t full[RING], p_full[2], p_empty[2], m_full[2];
+  __shared__ float alpha[2][64], m_x[2][64];   // m_x[s]: score warpgroup s's running maxima after its latest tile
   __shared__ long long t_first, t_last;
-  for (int i = threadIdx.x; i < (kQBytes + RING * kTile + 2 * kPBytes) / 4; i += 384)
+  for (int i = threadIdx.x; i < (kQBytes + RING * kTile + 2 * kPBytes) / 4; i += kThreads)
     reinterpret_cast<uint32_t*>(sm)[i] = 0x3c003c00u ^ (i & 0xff);   // (GATHER: the ring is overwritten)
   if (threadIdx.x == 0) {
     for (int b = 0; b < RING; ++b) mbar_init(&full[b], 256);
     for (int i = 0; i < 2; ++i) {
       mbar_init(&p_full[i], 128);
       mbar_init(&p_empty[i], 256);
+      mbar_init(&m_full[i], 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -73,17 +81,18 @@ __global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const 
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int r0 = (warp & 3) * 16 + g;   // the thread's two rows r0, r0 + 8 (wgmma accumulator layout)
-  if (warp < 4) {
-    // =========================== score warpgroup ===========================
-    set_max_regs<192>();
+  if (warp < 4 * SWG) {
+    // =========================== score warpgroup(s) ===========================
+    set_max_regs<kScoreRegs, kLaunchRegs>();
+    const int sw = warp / 4;   // takes tiles t % SWG == sw
     uint32_t qa[QREG ? 36 : 1][4];   // q's A fragments: loaded once from global memory, so that they are registers
 #pragma unroll
     for (int k = 0; k < (QREG ? 36 : 1); ++k)
 #pragma unroll
       for (int j = 0; j < 4; ++j) qa[k][j] = qsrc[(k * 4 + j) * 128 + threadIdx.x];
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-    for (int t = 0; t < kTiles; ++t) {
-      const int b = t % RING, pi = t & 1;
+    for (int t = sw; t < kTiles; t += SWG) {
+      const int b = t % RING, pi = t & 1;   // (SWG 2: pi == sw, each score warpgroup's own P)
       if (GATHER) {
         mbar_wait(&full[b], (t / RING) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async wrote them, wgmma reads them
@@ -108,10 +117,22 @@ __global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const 
         for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (SWG == 2 && h == 0 && t > 0) {   // the other warpgroup's maxima after tile t - 1
+          mbar_wait(&m_full[1 - sw], ((t - 1) >> 1) & 1);
+          m_run[0] = m_x[1 - sw][r0];
+          m_run[1] = m_x[1 - sw][r0 + 8];
+        }
         const float m_new = fmaxf(m_run[h], mx * 1e-3f);   // (scaled: the pattern's scores stay finite)
         al[h] = ex2(m_run[h] - m_new);
         m_use[h] = m_new;
         m_run[h] = m_new;
+      }
+      if (SWG == 2 && t + 1 < kTiles) {   // published before P (read by the other warpgroup's tile t + 1)
+        if (c == 0) {
+          m_x[sw][r0] = m_run[0];
+          m_x[sw][r0 + 8] = m_run[1];
+        }
+        mbar_arrive(&m_full[sw]);
       }
       if (t >= 2) mbar_wait(&p_empty[pi], ((t >> 1) - 1) & 1);   // the value warpgroups are done with P (t - 2)
       unsigned char* p = sm + kQBytes + RING * kTile + pi * kPBytes;
@@ -133,14 +154,12 @@ __global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const 
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P is read by wgmma next
       mbar_arrive(&p_full[pi]);
-      if (threadIdx.x == 0 && t == kSkip) t_first = clock64();
     }
-    if (threadIdx.x == 0) t_last = clock64();
     if (l_run[0] + l_run[1] == 1234.5f) out[0] = 0;   // keeps the softmax
   } else {
     // =========================== value warpgroups ===========================
-    set_max_regs<160>();
-    const int vt = threadIdx.x - 128, v = vt >> 7;
+    set_max_regs<kValueRegs, kLaunchRegs>();
+    const int vt = threadIdx.x - 128 * SWG, v = vt >> 7;
     unsigned seed = (blockIdx.x / reuse) * 977u + vt / 8;
     auto refill = [&](int t) {   // tile t into buffer t % RING, announced on full[t % RING] once landed
       seed = seed * 1664525u + 1013904223u;
@@ -163,16 +182,25 @@ __global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const 
       }
       const uint64_t pd = desc_sw64(pb + pi * kPBytes);
       const uint32_t vbase = kb + b * kTile + (4 * v) * 4096;
+      // as the dual kernel: each k-step as two m64n128k16 halves (no instruction needs more than 128 registers, which
+      // a 512-thread launch allows; history 73)
+      float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+      float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
       wgmma_round([&] {
 #pragma unroll
-        for (int kk = 0; kk < 2; ++kk) wgmma_ss_n256_bt(o, pd + ((kk * 32) >> 4), desc_sw128(vbase + kk * 2048, 4096, 1024));
+        for (int kk = 0; kk < 2; ++kk) {
+          wgmma_ss_n128_bt(o_lo, pd + ((kk * 32) >> 4), desc_sw128(vbase + kk * 2048, 4096, 1024));
+          wgmma_ss_n128_bt(o_hi, pd + ((kk * 32) >> 4), desc_sw128(vbase + 2 * 4096 + kk * 2048, 4096, 1024));
+        }
       });
       mbar_arrive(&p_empty[pi]);
+      if (vt == 0 && t == kSkip) t_first = clock64();   // (the period: P V of tiles kSkip .. kTiles - 1)
       if (GATHER) {
         asm volatile("bar.sync 1, 256;\n" ::: "memory");   // both value warpgroups are done with buffer b
         if (t + RING < kTiles) refill(t + RING);
       }
     }
+    if (vt == 0) t_last = clock64();
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     float acc = 0.f;
 #pragma unroll
@@ -183,14 +211,15 @@ __global__ void __launch_bounds__(384, 1) pipe(const unsigned char* pool, const 
   if (threadIdx.x == 0) out[blockIdx.x] = (t_last - t_first) / (kTiles - 1 - kSkip);
 }
 
-template <bool QREG, int RING, bool GATHER>
+template <int SWG, bool QREG, int RING, bool GATHER>
 void run(const char* what, const KeyPool& k, const uint32_t* qsrc, int reuse) {
   const int sms = k.sms;
   const int smem = (QREG ? 0 : kQ) + RING * kTile + 2 * kPBytes + 1024;
   long long* d;
   cudaMalloc(&d, sms * 8);
-  cudaFuncSetAttribute(pipe<QREG, RING, GATHER>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const float ms = best_ms([&] { pipe<QREG, RING, GATHER><<<sms, 384, smem>>>(k.pool, k.slots, k.rows, reuse, qsrc, d); });
+  auto kernel = pipe<SWG, QREG, RING, GATHER>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const float ms = best_ms([&] { kernel<<<sms, 128 * (SWG + 2), smem>>>(k.pool, k.slots, k.rows, reuse, qsrc, d); });
   const cudaError_t e = cudaDeviceSynchronize();
   std::vector<long long> h(sms);
   cudaMemcpy(h.data(), d, sms * 8, cudaMemcpyDeviceToHost);
@@ -206,11 +235,14 @@ int main() {
   uint32_t* qsrc;   // q's fragments: any bf16 pattern (the operands' source, not their values, matters)
   cudaMalloc(&qsrc, 36 * 4 * 128 * 4);
   fill<<<64, 256>>>(qsrc, 36 * 4 * 128);
-  run<false, 4, false>("1 score WG, q in smem (SS), no gather", k, qsrc, 3);
-  run<true, 4, false>("1 score WG, q in registers (RS), no gather", k, qsrc, 3);
-  run<false, 4, true>("1 score WG, SS, ring 4 (session 8's layout)", k, qsrc, 3);
-  run<true, 4, true>("1 score WG, RS, ring 4", k, qsrc, 3);
-  run<true, 6, true>("1 score WG, RS, ring 6 (q's 72 KB as 2 buffers)", k, qsrc, 3);
-  run<true, 6, true>("1 score WG, RS, ring 6, keys read once", k, qsrc, 1);
+  run<2, false, 4, false>("2 score WGs, SS (the dual kernel), no gather", k, qsrc, 3);
+  run<1, false, 4, false>("1 score WG, q in smem (SS), no gather", k, qsrc, 3);
+  run<1, true, 4, false>("1 score WG, q in registers (RS), no gather", k, qsrc, 3);
+  run<2, false, 4, true>("2 score WGs, SS, ring 4 (the dual kernel)", k, qsrc, 3);
+  run<1, false, 4, true>("1 score WG, SS, ring 4 (session 8's layout)", k, qsrc, 3);
+  run<1, true, 4, true>("1 score WG, RS, ring 4", k, qsrc, 3);
+  run<1, true, 6, true>("1 score WG, RS, ring 6 (q's 72 KB as 2 buffers)", k, qsrc, 3);
+  run<2, false, 4, true>("2 score WGs, SS, ring 4, keys read once", k, qsrc, 1);
+  run<1, true, 6, true>("1 score WG, RS, ring 6, keys read once", k, qsrc, 1);
   return 0;
 }
