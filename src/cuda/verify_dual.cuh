@@ -464,8 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       __syncthreads();
       // every partial of the item is stored (score warpgroup 0's log-sum-exps before the barrier, both value
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
-      // spilled; the dual kernel's items are all full row tiles: item_done_index is partial_row + row0)
-      if (vt == 255) signal_tile_done(prm, cx.rp.nsplit > 1 ? cx.rp.partial_row + cx.row0 : -1);
+      // spilled)
+      if (vt == 255) signal_item_done(prm, cx);
 #ifdef KDTREE_EXP_TRACE
       __syncthreads();   // pairs with the score side's print barrier
 #endif

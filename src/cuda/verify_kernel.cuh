@@ -638,19 +638,13 @@ __device__ __forceinline__ ItemCtx item_ctx_rem(const Params& prm, int item) {
 }
 // End of split item cx, by one thread of the kernel after a barrier that follows every store of the item's partials
 // (its rows' partial O and log-sum-exp): the release that lets the combine read them (CUTLASS's generic barrier
-// pattern: the writers' barrier, then one thread's gpu-scope fence and relaxed add). Nothing for an unsplit tile.
-// (item_done_index: the item's tile counter, -1 for an unsplit tile; a kernel short of registers at its item's end
-// keeps it in shared memory and signals with signal_tile_done.)
-__device__ __forceinline__ long long item_done_index(const Params& prm, const ItemCtx& cx) {
-  return row_nsplit(cx.rp, cx.row0) > 1 ? tile_done_index(cx.rp, prm.heads, cx.row0) : -1;
-}
-__device__ __forceinline__ void signal_tile_done(const Params& prm, long long i) {
-  if (i < 0 || prm.done_arrivals == 0) return;   // (0: the combine waits for the whole pass and reads no counter)
-  asm volatile("fence.acq_rel.gpu;\n"
-               "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(prm.tile_done + i) : "memory");
-}
+// pattern: the writers' barrier, then one thread's gpu-scope fence and relaxed add). Nothing for an unsplit tile, or
+// when done_arrivals is 0 (the combine then waits for the whole pass and reads no counter).
 __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCtx& cx) {
-  signal_tile_done(prm, item_done_index(prm, cx));
+  if (row_nsplit(cx.rp, cx.row0) <= 1 || prm.done_arrivals == 0) return;
+  int* const done = prm.tile_done + tile_done_index(cx.rp, prm.heads, cx.row0);
+  asm volatile("fence.acq_rel.gpu;\n"
+               "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
 }
 
 // Cell t of a remainder item: keys [kb, ke) (empty when kb >= ke: past the request's last key).
