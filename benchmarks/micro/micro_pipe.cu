@@ -1,15 +1,17 @@
 // Microbenchmark: the split kernel's per-tile chain with ONE score warpgroup that holds q in registers (wgmma RS),
 // so that the 72 KB of q leave shared memory to two more key buffers (docs/PERF_LOG.md, next step 0; session 17,
-// written without device time: compile-checked only).
+// written without device time; its first run, in session 18, hung: see the register pool below).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a micro_pipe.cu -o /tmp/micro_pipe
 // Why: the dual kernel (two score warpgroups, q in shared memory, four 32-key buffers) takes ~2,620 clocks per tile
 // at H16 N9 P131072; a tile lands ~2,400 clocks after its copies are issued at that rate, however many are in flight
 // (micro_flight, history 115), and then waits inside the SM. Registers allow q in registers for one score warpgroup
 // only (144 of its 192 registers, beside two value warpgroups at 160): session 8's one-score-warpgroup layout, which
-// lost to two score warpgroups because its softmax waited behind its own wgmma. Does that layout, with S reading no q
+// lost to two score warpgroups because its softmax waited behind its own wgmma. (The registers of a 384-thread CTA are
+// 64,512, not 65,536: the score warpgroup gets 184 beside two value warpgroups at 160, and q's 144 leave it 40; QK 32
+// keeps q_pe's 8 KB in shared memory and 56 registers free, at one key buffer less.) Does that layout, with S reading no q
 // from shared memory and a ring of six buffers, beat ~2,620 clocks per tile, and the dual layout in the same frame?
 // 1 CTA per SM, 384 threads (SWG 1), the kernel's protocol without masks, items or results:
-// - warpgroup 0 (score, setmaxnreg 192): per tile t, waits for its keys (full[t % RING]), S = q K^T (36 wgmma
+// - warpgroup 0 (score, setmaxnreg 184): per tile t, waits for its keys (full[t % RING]), S = q K^T (36 wgmma
 //   m64n32k16: RS with q's 36 fragments in registers, or SS with q in shared memory), the online softmax of its 64 x
 //   32 scores (row maxima over the quad, exp2, running sums), P as bf16 into p[t % 2] (64-byte swizzle, as the dual
 //   kernel) and alpha into shared memory once the value warpgroups are done with P (t - 2), then p_full[t % 2];
@@ -47,21 +49,43 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(a), "f"(b));
   return r;
 }
+// mbar_wait with a bound: a protocol error traps after ~2 s instead of holding the device until the run's timeout.
+// (SWG 2's score warpgroups at 88 registers spill with it: there, the plain wait.)
+template <bool Bounded>
+__device__ __forceinline__ void mbar_wait_b(uint64_t* b, uint32_t parity) {
+  if constexpr (!Bounded) {
+    mbar_wait(b, parity);
+    return;
+  }
+  uint32_t done;
+  const long long t0 = clock64();
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(smem_u32(b)), "r"(parity) : "memory");
+    if (!done && clock64() - t0 > 4000000000ll) __trap();
+  } while (!done);
+}
 template <int N, int Launch>   // a warpgroup's registers from the launch's share
 __device__ __forceinline__ void set_max_regs() {
   if constexpr (N > Launch) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-template <int SWG, bool QREG, int RING, bool GATHER>
+template <int SWG, int QK, int RING, bool GATHER>
 __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* pool, const int* slots, int nslots,
                                                            int reuse, const uint32_t* qsrc, long long* out) {
-  static_assert(SWG == 1 || !QREG, "q in registers fits one score warpgroup only");
+  static_assert(SWG == 1 || QK == 0, "q in registers fits one score warpgroup only");
+  static_assert(QK % 4 == 0 && QK <= 36, "q's k-steps from registers: whole 64-column slabs");
+  constexpr bool QREG = QK > 0;
   constexpr int kThreads = 128 * (SWG + 2), kLaunchRegs = SWG == 1 ? 168 : 128;
-  constexpr int kScoreRegs = SWG == 1 ? 192 : 88, kValueRegs = SWG == 1 ? 160 : 168;
+  // setmaxnreg moves registers between the warpgroups of a CTA only: the launch's 384 x 168 (SWG 1) or 512 x 128
+  // are the pool. (Session 17's 192 + 2 x 160 = 65,536 for SWG 1 exceeded 64,512, and setmaxnreg.inc waited forever.)
+  constexpr int kScoreRegs = SWG == 1 ? 184 : 88, kValueRegs = SWG == 1 ? 160 : 168;
+  static_assert(128 * SWG * kScoreRegs + 256 * kValueRegs <= kThreads * kLaunchRegs, "register pool");
   extern __shared__ __align__(1024) unsigned char raw[];
   unsigned char* sm = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
-  constexpr int kQBytes = QREG ? 0 : kQ;
+  constexpr int kQBytes = (36 - QK) / 4 * 8192;   // the k-steps S reads from shared memory
   const uint32_t qb = smem_u32(sm), kb = qb + kQBytes, pb = kb + RING * kTile;
   __shared__ uint64_t full[RING], p_full[2], p_empty[2], m_full[2];
   __shared__ float alpha[2][64], m_x[2][64];   // m_x[s]: score warpgroup s's running maxima after its latest tile
@@ -85,16 +109,16 @@ __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* 
     // =========================== score warpgroup(s) ===========================
     set_max_regs<kScoreRegs, kLaunchRegs>();
     const int sw = warp / 4;   // takes tiles t % SWG == sw
-    uint32_t qa[QREG ? 36 : 1][4];   // q's A fragments: loaded once from global memory, so that they are registers
+    uint32_t qa[QREG ? QK : 1][4];   // q's A fragments: loaded once from global memory, so that they are registers
 #pragma unroll
-    for (int k = 0; k < (QREG ? 36 : 1); ++k)
+    for (int k = 0; k < (QREG ? QK : 1); ++k)
 #pragma unroll
       for (int j = 0; j < 4; ++j) qa[k][j] = qsrc[(k * 4 + j) * 128 + threadIdx.x];
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     for (int t = sw; t < kTiles; t += SWG) {
       const int b = t % RING, pi = t & 1;   // (SWG 2: pi == sw, each score warpgroup's own P)
       if (GATHER) {
-        mbar_wait(&full[b], (t / RING) & 1);
+        mbar_wait_b<SWG == 1>(&full[b], (t / RING) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async wrote them, wgmma reads them
       }
       float s[16];
@@ -103,8 +127,8 @@ __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* 
       wgmma_round([&] {
 #pragma unroll
         for (int ks = 0; ks < 36; ++ks) {
-          if constexpr (QREG) wgmma_rs_n32(s, qa[ks], k_desc(kb + b * kTile, ks));
-          else wgmma_ss_n32(s, q_desc(qb, ks), k_desc(kb + b * kTile, ks));
+          if (ks < QK) wgmma_rs_n32(s, qa[ks < QK ? ks : 0], k_desc(kb + b * kTile, ks));
+          else wgmma_ss_n32(s, q_desc(qb, ks - QK), k_desc(kb + b * kTile, ks));
         }
       });
       // the online softmax: the tile's row maxima (a row's 32 scores are on the 4 threads of a quad), rescale
@@ -118,7 +142,7 @@ __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* 
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         if (SWG == 2 && h == 0 && t > 0) {   // the other warpgroup's maxima after tile t - 1
-          mbar_wait(&m_full[1 - sw], ((t - 1) >> 1) & 1);
+          mbar_wait_b<SWG == 1>(&m_full[1 - sw], ((t - 1) >> 1) & 1);
           m_run[0] = m_x[1 - sw][r0];
           m_run[1] = m_x[1 - sw][r0 + 8];
         }
@@ -134,7 +158,7 @@ __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* 
         }
         mbar_arrive(&m_full[sw]);
       }
-      if (t >= 2) mbar_wait(&p_empty[pi], ((t >> 1) - 1) & 1);   // the value warpgroups are done with P (t - 2)
+      if (t >= 2) mbar_wait_b<SWG == 1>(&p_empty[pi], ((t >> 1) - 1) & 1);   // the value warpgroups are done with P (t - 2)
       unsigned char* p = sm + kQBytes + RING * kTile + pi * kPBytes;
       float ps[2] = {0.f, 0.f};
 #pragma unroll
@@ -173,8 +197,8 @@ __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* 
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     for (int t = 0; t < kTiles; ++t) {
       const int b = t % RING, pi = t & 1;
-      mbar_wait(&p_full[pi], (t >> 1) & 1);
-      if (GATHER) mbar_wait(&full[b], (t / RING) & 1);   // complete by now (its score warpgroup saw it): acquires V
+      mbar_wait_b<SWG == 1>(&p_full[pi], (t >> 1) & 1);
+      if (GATHER) mbar_wait_b<SWG == 1>(&full[b], (t / RING) & 1);   // complete by now (its score warpgroup saw it): acquires V
       const float a0 = alpha[pi][r0], a1 = alpha[pi][r0 + 8];
       if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {   // accumulator i is row r0 + 8 ((i >> 1) & 1)
 #pragma unroll
@@ -211,13 +235,13 @@ __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* 
   if (threadIdx.x == 0) out[blockIdx.x] = (t_last - t_first) / (kTiles - 1 - kSkip);
 }
 
-template <int SWG, bool QREG, int RING, bool GATHER>
+template <int SWG, int QK, int RING, bool GATHER>
 void run(const char* what, const KeyPool& k, const uint32_t* qsrc, int reuse) {
   const int sms = k.sms;
-  const int smem = (QREG ? 0 : kQ) + RING * kTile + 2 * kPBytes + 1024;
+  const int smem = (36 - QK) / 4 * 8192 + RING * kTile + 2 * kPBytes + 1024;
   long long* d;
   cudaMalloc(&d, sms * 8);
-  auto kernel = pipe<SWG, QREG, RING, GATHER>;
+  auto kernel = pipe<SWG, QK, RING, GATHER>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const float ms = best_ms([&] { kernel<<<sms, 128 * (SWG + 2), smem>>>(k.pool, k.slots, k.rows, reuse, qsrc, d); });
   const cudaError_t e = cudaDeviceSynchronize();
@@ -231,18 +255,21 @@ void run(const char* what, const KeyPool& k, const uint32_t* qsrc, int reuse) {
 }
 
 int main() {
+  setvbuf(stdout, nullptr, _IONBF, 0);   // each line as it is measured (session 17's run lost its buffer to a hang)
   const KeyPool k = key_pool();
   uint32_t* qsrc;   // q's fragments: any bf16 pattern (the operands' source, not their values, matters)
   cudaMalloc(&qsrc, 36 * 4 * 128 * 4);
   fill<<<64, 256>>>(qsrc, 36 * 4 * 128);
-  run<2, false, 4, false>("2 score WGs, SS (the dual kernel), no gather", k, qsrc, 3);
-  run<1, false, 4, false>("1 score WG, q in smem (SS), no gather", k, qsrc, 3);
-  run<1, true, 4, false>("1 score WG, q in registers (RS), no gather", k, qsrc, 3);
-  run<2, false, 4, true>("2 score WGs, SS, ring 4 (the dual kernel)", k, qsrc, 3);
-  run<1, false, 4, true>("1 score WG, SS, ring 4 (session 8's layout)", k, qsrc, 3);
-  run<1, true, 4, true>("1 score WG, RS, ring 4", k, qsrc, 3);
-  run<1, true, 6, true>("1 score WG, RS, ring 6 (q's 72 KB as 2 buffers)", k, qsrc, 3);
-  run<2, false, 4, true>("2 score WGs, SS, ring 4, keys read once", k, qsrc, 1);
-  run<1, true, 6, true>("1 score WG, RS, ring 6, keys read once", k, qsrc, 1);
+  // QK: q's k-steps held in registers (36: all of q, 144 registers; 32: the 512 nope columns, q_pe's 8 KB in smem)
+  run<2, 0, 4, false>("2 score WGs, SS (the dual kernel), no gather", k, qsrc, 3);
+  run<1, 0, 4, false>("1 score WG, q in smem (SS), no gather", k, qsrc, 3);
+  run<1, 36, 4, false>("1 score WG, q in registers (RS), no gather", k, qsrc, 3);
+  run<2, 0, 4, true>("2 score WGs, SS, ring 4 (the dual kernel)", k, qsrc, 3);
+  run<1, 0, 4, true>("1 score WG, SS, ring 4 (session 8's layout)", k, qsrc, 3);
+  run<1, 36, 4, true>("1 score WG, RS, ring 4", k, qsrc, 3);
+  run<1, 36, 6, true>("1 score WG, RS, ring 6 (q's 72 KB as 2 buffers)", k, qsrc, 3);
+  run<1, 32, 5, true>("1 score WG, RS nope + SS pe, ring 5", k, qsrc, 3);
+  run<2, 0, 4, true>("2 score WGs, SS, ring 4, keys read once", k, qsrc, 1);
+  run<1, 36, 6, true>("1 score WG, RS, ring 6, keys read once", k, qsrc, 1);
   return 0;
 }
