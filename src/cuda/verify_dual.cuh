@@ -147,6 +147,12 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
 #define KDTREE_DUAL_SREFILL_AFTER_S 0
 #endif
 constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
+// The item's O rows out through shared memory, 16 B per lane (wg::store_o_rows_staged; session 18); 0: session 17's
+// 4-byte stores from the accumulators.
+#ifndef KDTREE_DUAL_STAGED_STORE
+#define KDTREE_DUAL_STAGED_STORE 1
+#endif
+static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
 template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
@@ -460,8 +466,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0
+      KDTREE_ITEM_STORE_BEGIN(vt == 255);
+      // the ring's first 64 KB hold the rows on their way out: every tile's S and P V is done (the score side's last S
+      // before its P, which the value side consumed), no copy is in flight (none past the item's last tile), and the
+      // next item's copies start after the closing barrier
+#if KDTREE_DUAL_STAGED_STORE
+      wg::store_o_rows_staged(prm, cx, wrow, lane, v, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarValues, kValueThreads);
+#else
       wg::store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
+#endif
       __syncthreads();
+      KDTREE_ITEM_STORE_END(vt == 255);
       // every partial of the item is stored (score warpgroup 0's log-sum-exps before the barrier, both value
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
       // spilled)

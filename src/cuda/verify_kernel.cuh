@@ -80,6 +80,13 @@ constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd 
 #define KDTREE_MIN_CHUNK 256
 #endif
 constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
+// The mma.sync kernel's (the sm_120 path's) result rows out through shared memory, 16 B per lane, as the dual kernel's
+// (session 18). Opt-in (1) because it has NOT RUN on a GPU: written after the session's device time, compile-checked
+// on sm_120 and sm_90a without spills. The dual kernel's form of it took 3.6 -> 1.7 us off every item's end (history
+// 120). 0: the 4-byte stores from the accumulators.
+#ifndef KDTREE_MMA_STAGED_STORE
+#define KDTREE_MMA_STAGED_STORE 0
+#endif
 // Mixed calls (ReqPlan): a last row tile of at most kMixedRemRows rows runs as skinny items of kMixedTileN-key tiles
 // (verify_skinny.cuh's kRows and kTileN, asserted there).
 #ifndef KDTREE_SKINNY_TILE   // the skinny kernel's tile (an experiment switch there)
@@ -273,12 +280,29 @@ __device__ __forceinline__ unsigned long long global_ns() {
 __device__ unsigned long long g_timeline[5][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0}, {~0ull, ~0ull, 0},
                                                   {0, 0, 0}};
 __device__ unsigned g_timeline_done = 0;
+// per combine work (session 18; the first kStampWorks works): iteration start, tile wait done, partials summed, row
+// stored (thread 0, ns), its tile's counter index; per tile (counter index mod kStampTiles) the latest item release
+constexpr int kStampWorks = 2048, kStampTiles = 256;
+__device__ unsigned long long g_work[kStampWorks][4];
+__device__ long long g_work_tile[kStampWorks];
+__device__ unsigned long long g_tile_rel[kStampTiles];
+// per split item (the dual kernel): ns from its value side's store of O to the barrier after it (max, sum, count)
+__device__ unsigned long long g_item_store[3];
+#define KDTREE_ITEM_STORE_BEGIN(cond) const unsigned long long t_store0_ = (cond) ? global_ns() : 0ull
+#define KDTREE_ITEM_STORE_END(cond) \
+  do { if (cond) { const unsigned long long d_ = global_ns() - t_store0_; atomicMax(&g_item_store[0], d_); \
+                   atomicAdd(&g_item_store[1], d_); atomicAdd(&g_item_store[2], 1ull); } } while (0)
+#define KDTREE_WORK_STAMP(w, e) \
+  do { if (threadIdx.x == 0 && (w) < kStampWorks) g_work[w][e] = global_ns(); } while (0)
 #define KDTREE_TIMELINE_BY(cond, k, e) \
   do { if (cond) { if (e == 2) atomicMax(&g_timeline[k][2], global_ns()); else atomicMin(&g_timeline[k][e], global_ns()); } } while (0)
 #define KDTREE_TIMELINE(k, e) KDTREE_TIMELINE_BY(threadIdx.x == 0, k, e)
 #define KDTREE_TIMELINE_LATEST(e) \
   do { if (threadIdx.x == 0) atomicMax(&g_timeline[4][e], global_ns()); } while (0)
 #else
+#define KDTREE_ITEM_STORE_BEGIN(cond) do { } while (0)
+#define KDTREE_ITEM_STORE_END(cond) do { } while (0)
+#define KDTREE_WORK_STAMP(w, e) do { } while (0)
 #define KDTREE_TIMELINE_LATEST(e) do { } while (0)
 #define KDTREE_TIMELINE_BY(cond, k, e) do { } while (0)
 #define KDTREE_TIMELINE(k, e) do { } while (0)
@@ -489,6 +513,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(smem_u32(p)));
 }
 
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3]) : "memory");
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -645,6 +673,9 @@ __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCt
   int* const done = prm.tile_done + tile_done_index(cx.rp, prm.heads, cx.row0);
   asm volatile("fence.acq_rel.gpu;\n"
                "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
+#ifdef KDTREE_EXP_TIMELINE
+  atomicMax(&g_tile_rel[tile_done_index(cx.rp, prm.heads, cx.row0) % kStampTiles], global_ns());
+#endif
 }
 
 // Cell t of a remainder item: keys [kb, ke) (empty when kb >= ke: past the request's last key).
@@ -807,6 +838,18 @@ __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx
       if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_run[half], l_run[half]);
     }
   }
+}
+
+// An item's result rows on their way out through shared memory (session 18): row r at r * 1 KB (512 bf16), its 16-byte
+// chunk k at (k ^ (r % 8)) * 16, so that stmatrix's 8 rows of one chunk and a warp's 32 chunks of one row are free of
+// bank conflicts. Value threads store their accumulators there (stmatrix), then copy whole rows out, 16 B per lane.
+__device__ __forceinline__ uint32_t stage_chunk(uint32_t stage, int r, int k) {
+  return stage + r * 1024 + ((k ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 x;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(addr) : "memory");
+  return x;
 }
 
 // Where tile row r of the item goes: its partial row (split requests) or the output row.
@@ -1138,6 +1181,35 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         if (vw == 0) KDTREE_TRACE(7);
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
+#if KDTREE_MMA_STAGED_STORE
+      // through the key ring (stage_chunk): every tile's keys are consumed (the score warps' last S before their P) and no
+      // copy is in flight (none past the item's last tile); the next item's copies follow the closing barrier, and each
+      // issuer's fence.proxy.async (issue_tile) orders these generic writes before its bulk copies
+      static_assert(sizeof(sm.kv) >= kBlockM * 1024, "the key ring holds an item's rows of 512 bf16");
+      const uint32_t stage = smem_u32(&sm.kv[0][0][0]);
+      // stmatrix: lane's matrix mi = lane / 8 and row mr = lane % 8 in it; its address stage_chunk(stage, rb * 16 + 8 (mi %
+      // 2) + mr, col0 / 8 + nt + mi / 2), with col0 / 8 a multiple of 8 and nt even: the chunk's XOR only in its low bits
+      const int mi = lane >> 3, mr = lane & 7;
+      const uint32_t lane_base = stage + ((8 * (mi & 1) + mr) << 10) + ((col0 / 8) << 4);
+      const uint32_t lane_x = (((mi >> 1) ^ mr) << 4);
+#pragma unroll
+      for (int rb = 0; rb < kRowBlocks; ++rb) {
+        float inv[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float l = sm.row_l[rb * 16 + g + half * 8];
+          inv[half] = l > 0.f ? 1.f / l : 0.f;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kValueCols / 8; nt += 2) {   // matrices (block nt + q / 2, rows + 8 (q % 2))
+          uint32_t r[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            r[q] = pack_bf16(o[rb][nt + (q >> 1)][2 * (q & 1)] * inv[q & 1], o[rb][nt + (q >> 1)][2 * (q & 1) + 1] * inv[q & 1]);
+          stmatrix_x4(lane_base + rb * 16384 + (lane_x ^ (nt << 4)), r);
+        }
+      }
+#else
 #pragma unroll
       for (int rb = 0; rb < kRowBlocks; ++rb) {
 #pragma unroll
@@ -1154,7 +1226,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
           }
         }
       }
+#endif
     }
+#if KDTREE_MMA_STAGED_STORE
+    // the score warps, idle now, copy the staged rows out (a warp per row: 2 x 512 contiguous bytes); on the value
+    // warps, whose accumulators fill the registers up to here, the copies' addresses made ptxas spill on sm_120
+    __syncthreads();
+    if (warp < kScoreWarps) {
+      const uint32_t stage = smem_u32(&sm.kv[0][0][0]);
+      for (int r = warp; r < cx.rows; r += kScoreWarps) {
+        __nv_bfloat16* dst = result_row(prm, cx, r);
+#pragma unroll
+        for (int k = lane; k < kDimNope / 8; k += 32)
+          *reinterpret_cast<uint4*>(dst + 8 * k) = ld_shared_v4(stage_chunk(stage, r, k));
+      }
+    }
+#endif
     __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
     // (a thread that issues no copies and not the claimer, whose next claim's round trip hides this one's)
     if (tid == kThreads - 1) signal_item_done(prm, cx);
@@ -1278,6 +1365,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     if (nsplit <= 1) continue;                                                      // block-uniform
     const int slices = combine_slices(nsplit);
     if (slice >= slices) continue;                                                  // block-uniform
+    KDTREE_WORK_STAMP(w, 0);
     if (early) {   // the row tile's split items have all stored their partials
       if (tid == 0) {
         s_tile[0] = wait_tile_done(prm, rp, r, nsplit);
@@ -1286,6 +1374,10 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       __syncthreads();
     }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
+    KDTREE_WORK_STAMP(w, 1);
+#ifdef KDTREE_EXP_TIMELINE
+    if (tid == 0 && w < kStampWorks) g_work_tile[w] = early ? s_tile[0] : -1;
+#endif
     const int cols = kDimNope / slices;       // value columns of this block
     const int lanes = cols / 8;               // threads per split row (8 columns each)
     const int groups = kCombineThreads / lanes;
@@ -1333,6 +1425,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       m_run = m_new;
     }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
+    KDTREE_WORK_STAMP(w, 2);
     // to the block maximum, then the groups' sums in a fixed order
     const float m_blk = combine_block_max(m_run, s_red);
     const float sc = m_run == -INFINITY ? 0.f : exp2f(m_run - m_blk);
@@ -1353,6 +1446,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
           pack_bf16(v0 * inv, v1 * inv);
     }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
+    KDTREE_WORK_STAMP(w, 3);
     // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call: no
     // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
     // s_tile: after its stores, so that the round trip delays only its own warp's next wait)
@@ -1381,6 +1475,46 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
            (double)(g_timeline[2][0] - t0) * 1e-3, (double)(g_timeline[2][1] - t0) * 1e-3, (double)(g_timeline[2][2] - t0) * 1e-3,
            (double)(g_timeline[3][0] - t0) * 1e-3, (double)(g_timeline[3][1] - t0) * 1e-3, (double)(g_timeline[3][2] - t0) * 1e-3,
            (double)(g_timeline[4][0] - t0) * 1e-3, (double)(g_timeline[4][1] - t0) * 1e-3, (double)(g_timeline[4][2] - t0) * 1e-3);
+    // the works: how long each waited past its tile's release, loaded and summed, stored; the latest six in full
+    {
+      const long long rows = (long long)prm.num_tokens * prm.heads, nw = min(rows * prm.counter[2], (long long)kStampWorks);
+      double s_wait = 0, s_sum = 0, s_store = 0, m_wait = 0, m_sum = 0, m_store = 0, s_sum2 = 0, m_sum2 = 0;
+      int n = 0, n2 = 0;
+      long long last[6] = {-1, -1, -1, -1, -1, -1};
+      for (long long w = 0; w < nw; ++w) {
+        if (g_work[w][3] == 0 || g_work[w][1] < g_work[w][0]) continue;   // skipped (an unsplit row, an unused slice)
+        const long long tile = g_work_tile[w];
+        const unsigned long long rel = tile >= 0 ? g_tile_rel[tile % kStampTiles] : g_work[w][0];
+        const unsigned long long from = max(rel, g_work[w][0]);
+        const double dw = g_work[w][1] > from ? (g_work[w][1] - from) * 1e-3 : 0.0;
+        const double ds = (g_work[w][2] - g_work[w][1]) * 1e-3, dt = (g_work[w][3] - g_work[w][2]) * 1e-3;
+        s_wait += dw; s_sum += ds; s_store += dt; ++n;
+        if (w >= gridDim.x) { s_sum2 += ds; m_sum2 = fmax(m_sum2, ds); ++n2; }   // a block's second or later work
+        m_wait = fmax(m_wait, dw); m_sum = fmax(m_sum, ds); m_store = fmax(m_store, dt);
+        for (int j = 0; j < 6; ++j)   // insertion into the six latest stored
+          if (last[j] < 0 || g_work[w][3] > g_work[last[j]][3]) {
+            for (int k = 5; k > j; --k) last[k] = last[k - 1];
+            last[j] = w;
+            break;
+          }
+      }
+      if (n > 0)
+        printf("TIMELINE works %d: us past the tile's release to the wait's end mean %.2f max %.2f | summing mean %.2f max "
+               "%.2f | storing mean %.2f max %.2f | summing in a block's later works (%d) mean %.2f max %.2f\n", n, s_wait / n,
+               m_wait, s_sum / n, m_sum, s_store / n, m_store, n2, n2 ? s_sum2 / n2 : 0.0, m_sum2);
+      for (int j = 0; j < 6 && last[j] >= 0; ++j) {
+        const long long w = last[j], tile = g_work_tile[w];
+        printf("TIMELINE work %lld (tile %lld): released %.2f | start %.2f waited %.2f summed %.2f stored %.2f\n", w, tile,
+               tile >= 0 ? (double)(g_tile_rel[tile % kStampTiles] - t0) * 1e-3 : -1.0, (double)(g_work[w][0] - t0) * 1e-3,
+               (double)(g_work[w][1] - t0) * 1e-3, (double)(g_work[w][2] - t0) * 1e-3, (double)(g_work[w][3] - t0) * 1e-3);
+      }
+      if (g_item_store[2])
+        printf("TIMELINE split items %llu: storing O to the barrier after it mean %.2f max %.2f us\n", g_item_store[2],
+               g_item_store[1] * 1e-3 / g_item_store[2], g_item_store[0] * 1e-3);
+      g_item_store[0] = g_item_store[1] = g_item_store[2] = 0;
+      for (long long w = 0; w < kStampWorks; ++w) g_work[w][0] = g_work[w][1] = g_work[w][2] = g_work[w][3] = 0;
+      for (int i = 0; i < kStampTiles; ++i) g_tile_rel[i] = 0;
+    }
     for (int k = 0; k < 4; ++k) { g_timeline[k][0] = g_timeline[k][1] = ~0ull; g_timeline[k][2] = 0; }
     g_timeline[4][0] = g_timeline[4][1] = g_timeline[4][2] = 0;
     g_timeline_done = 0;

@@ -440,8 +440,11 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
   // rows are few (and may need more slices)
   const long long combine_rows = (long long)p->num_tokens * p->num_heads;
+#ifndef KDTREE_EXP_COMBINE_BLOCKS_DIV   // profiling aid: fewer combine blocks, so that a block runs several works
+#define KDTREE_EXP_COMBINE_BLOCKS_DIV 1
+#endif
   const long long combine_blocks =
-      std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms));
+      std::max(1ll, std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms)) / KDTREE_EXP_COMBINE_BLOCKS_DIV);
   KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, kdtree::kCombineThreads,
                            0, stream, pdl, prm));
   return KDTREE_OK;

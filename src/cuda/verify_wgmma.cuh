@@ -343,6 +343,41 @@ __device__ __forceinline__ void store_o_rows(const Params& prm, const ItemCtx& c
   }
 }
 
+// The same through shared memory (session 18): `stage` (64 rows x 1 KB, free until the item's closing barrier) takes the
+// thread's rows as bf16 by stmatrix, then each warp copies whole rows of its warpgroup's 256 columns out, 16 B per lane:
+// 512 contiguous bytes per store instruction. store_o_rows's 4-byte stores put 8 rows into every instruction, each
+// half a 32-byte sector: 64 KB of partials cost an item ~3.6 us before its release (timeline, history 120).
+// Layout: stage_chunk (verify_kernel.cuh). `bar_id` / `bar_count`: a barrier over the threads that stage (both value
+// warpgroups).
+__device__ __forceinline__ void store_o_rows_staged(const Params& prm, const ItemCtx& cx, int wrow, int lane, int v,
+                                                    const float (&o)[128], const float* row_l, uint32_t stage,
+                                                    int bar_id, int bar_count) {
+  const int g = lane >> 2;
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = row_l[wrow + g + 8 * half];
+    inv[half] = l > 0.f ? 1.f / l : 0.f;
+  }
+  // stmatrix.x4 j: matrices (8-column block j + mi / 2, rows + 8 (mi % 2)) for mi = lane / 8; lane's row mr = lane % 8
+  const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+  for (int j = 0; j < 32; j += 2) {
+    uint32_t r[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int jj = j + (q >> 1), h = q & 1;
+      r[q] = pack_bf16(o[4 * jj + 2 * h] * inv[h], o[4 * jj + 2 * h + 1] * inv[h]);
+    }
+    stmatrix_x4(stage_chunk(stage, wrow + 8 * (mi & 1) + mr, 32 * v + j + (mi >> 1)), r);
+  }
+  bar_sync(bar_id, bar_count);
+  const int wv = (wrow >> 4);   // the warp within its warpgroup: rows wv, wv + 4, ...
+  for (int r = wv; r < cx.rows; r += 4) {
+    *reinterpret_cast<uint4*>(result_row(prm, cx, r) + 256 * v + 8 * lane) = ld_shared_v4(stage_chunk(stage, r, 32 * v + lane));
+  }
+}
+
 #ifdef KDTREE_EXP_TRACE
 #define KDTREE_WTRACE(e) \
   do { if (lane == 0 && it < 32) sm.trace[it][e] = (unsigned)(clock64() - t_item); } while (0)
