@@ -674,7 +674,7 @@ __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCt
   asm volatile("fence.acq_rel.gpu;\n"
                "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
 #ifdef KDTREE_EXP_TIMELINE
-  atomicMax(&g_tile_rel[tile_done_index(cx.rp, prm.heads, cx.row0) % kStampTiles], global_ns());
+  atomicMax(&g_tile_rel[(done - prm.tile_done) % kStampTiles], global_ns());
 #endif
 }
 
