@@ -80,13 +80,6 @@ constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd 
 #define KDTREE_MIN_CHUNK 256
 #endif
 constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
-// The mma.sync kernel's (the sm_120 path's) result rows out through shared memory, 16 B per lane, as the dual kernel's
-// (session 18). Opt-in (1) because it has NOT RUN on a GPU: written after the session's device time, compile-checked
-// on sm_120 and sm_90a without spills. The dual kernel's form of it took 3.6 -> 1.7 us off every item's end (history
-// 120). 0: the 4-byte stores from the accumulators.
-#ifndef KDTREE_MMA_STAGED_STORE
-#define KDTREE_MMA_STAGED_STORE 0
-#endif
 // Mixed calls (ReqPlan): a last row tile of at most kMixedRemRows rows runs as skinny items of kMixedTileN-key tiles
 // (verify_skinny.cuh's kRows and kTileN, asserted there).
 #ifndef KDTREE_SKINNY_TILE   // the skinny kernel's tile (an experiment switch there)
@@ -1181,35 +1174,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         if (vw == 0) KDTREE_TRACE(7);
       }
       bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
-#if KDTREE_MMA_STAGED_STORE
-      // through the key ring (stage_chunk): every tile's keys are consumed (the score warps' last S before their P) and no
-      // copy is in flight (none past the item's last tile); the next item's copies follow the closing barrier, and each
-      // issuer's fence.proxy.async (issue_tile) orders these generic writes before its bulk copies
-      static_assert(sizeof(sm.kv) >= kBlockM * 1024, "the key ring holds an item's rows of 512 bf16");
-      const uint32_t stage = smem_u32(&sm.kv[0][0][0]);
-      // stmatrix: lane's matrix mi = lane / 8 and row mr = lane % 8 in it; its address stage_chunk(stage, rb * 16 + 8 (mi %
-      // 2) + mr, col0 / 8 + nt + mi / 2), with col0 / 8 a multiple of 8 and nt even: the chunk's XOR only in its low bits
-      const int mi = lane >> 3, mr = lane & 7;
-      const uint32_t lane_base = stage + ((8 * (mi & 1) + mr) << 10) + ((col0 / 8) << 4);
-      const uint32_t lane_x = (((mi >> 1) ^ mr) << 4);
-#pragma unroll
-      for (int rb = 0; rb < kRowBlocks; ++rb) {
-        float inv[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float l = sm.row_l[rb * 16 + g + half * 8];
-          inv[half] = l > 0.f ? 1.f / l : 0.f;
-        }
-#pragma unroll
-        for (int nt = 0; nt < kValueCols / 8; nt += 2) {   // matrices (block nt + q / 2, rows + 8 (q % 2))
-          uint32_t r[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            r[q] = pack_bf16(o[rb][nt + (q >> 1)][2 * (q & 1)] * inv[q & 1], o[rb][nt + (q >> 1)][2 * (q & 1) + 1] * inv[q & 1]);
-          stmatrix_x4(lane_base + rb * 16384 + (lane_x ^ (nt << 4)), r);
-        }
-      }
-#else
 #pragma unroll
       for (int rb = 0; rb < kRowBlocks; ++rb) {
 #pragma unroll
@@ -1226,22 +1190,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
           }
         }
       }
-#endif
     }
-#if KDTREE_MMA_STAGED_STORE
-    // the score warps, idle now, copy the staged rows out (a warp per row: 2 x 512 contiguous bytes); on the value
-    // warps, whose accumulators fill the registers up to here, the copies' addresses made ptxas spill on sm_120
-    __syncthreads();
-    if (warp < kScoreWarps) {
-      const uint32_t stage = smem_u32(&sm.kv[0][0][0]);
-      for (int r = warp; r < cx.rows; r += kScoreWarps) {
-        __nv_bfloat16* dst = result_row(prm, cx, r);
-#pragma unroll
-        for (int k = lane; k < kDimNope / 8; k += 32)
-          *reinterpret_cast<uint4*>(dst + 8 * k) = ld_shared_v4(stage_chunk(stage, r, k));
-      }
-    }
-#endif
     __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
     // (a thread that issues no copies and not the claimer, whose next claim's round trip hides this one's)
     if (tid == kThreads - 1) signal_item_done(prm, cx);
