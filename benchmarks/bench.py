@@ -77,9 +77,11 @@ def sglang_extend():
         return None
 
 
-def verify_call(prefixes, heads, n, seed, **batch_kw):
+def verify_call(prefixes, heads, n, seed, separate_mask=False, **batch_kw):
     """A benchmark batch on the GPU and the timed calls on it: (batch, out, kd, layer). kd() rebuilds the tree
-    mask from SGLang's custom_mask and runs kdtree.verify_attention into out (the whole verify call);
+    mask from SGLang's custom_mask and runs kdtree.verify_attention into out (the whole verify call; since
+    session 19 the call packs the mask in its plan kernel, as kdtree.sglang_patch does on a pass's first layer;
+    separate_mask: kdtree.build_tree_mask's pack kernel first, then the call, as before);
     layer() is the per-layer call of the SGLang integration, which packs the mask once per forward pass
     (kdtree.sglang_patch reuses it for every later layer): plan, split and combine on a mask packed here."""
     b = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=seed,
@@ -92,12 +94,15 @@ def verify_call(prefixes, heads, n, seed, **batch_kw):
     def mask():
         return build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
 
-    def attend(tree):
+    def attend(tree, **pack):
         kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
-                                b.sm_scale, out=out)
+                                b.sm_scale, out=out, **pack)
 
     tree = mask()
-    return b, out, lambda: attend(mask()), lambda: attend(tree)
+    if separate_mask or tree is None:
+        return b, out, lambda: attend(mask()), lambda: attend(tree)
+    packed = torch.empty_like(tree)
+    return b, out, lambda: attend(packed, custom_mask=b.custom_mask, mask_indptr=b.mask_indptr), lambda: attend(tree)
 
 
 def graph_bench_ms(fn, rep_ms=300):
@@ -110,9 +115,10 @@ def graph_bench_ms(fn, rep_ms=300):
     return bench_ms(g.replay, rep_ms)
 
 
-def run_shape(s, extend_fwd, seed):
-    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, pad=s.get("pad", 0),
-                                    causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
+def run_shape(s, extend_fwd, seed, separate_mask=False):
+    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask,
+                                    pad=s.get("pad", 0), causal_none=s.get("causal_none", False),
+                                    shuffle=s.get("shuffle", True))
     t, h = b.q.shape[:2]
     kd()
     torch.cuda.synchronize()
@@ -122,7 +128,8 @@ def run_shape(s, extend_fwd, seed):
     layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
                split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h),
-               shuffled=s.get("shuffle", True), kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
+               shuffled=s.get("shuffle", True), mask_packed="separately" if separate_mask else "in the call",
+               kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)
     byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"])
     rec.update(kv_bytes=byts, flops=flops, floor_us=floor * 1e6, floor_mma_sync_us=floor_sync * 1e6,
@@ -184,6 +191,8 @@ def main():
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated substrings: keep shapes whose name has one")
     ap.add_argument("--small-rows", action="store_true", help="add shapes of <= 16 rows per request")
+    ap.add_argument("--separate-mask", action="store_true",
+                    help="the whole call packs the mask with build_tree_mask's kernel first (before session 19)")
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()
@@ -192,7 +201,7 @@ def main():
     for i, s in enumerate(shapes(args.quick, args.small_rows)):
         if args.only and not any(o and o in s["name"] for o in args.only.split(",")):
             continue
-        rec = run_shape(s, extend_fwd, seed=100 + i)
+        rec = run_shape(s, extend_fwd, seed=100 + i, separate_mask=args.separate_mask)
         recs.append(rec)
         print(f"{rec['name']:<34} kdtree {rec['kdtree_us']:8.1f} us (graph {rec['kdtree_graph_us']:8.1f}, "
               f"layer {rec['kdtree_layer_graph_us']:7.1f})  floor {rec['floor_us']:7.1f} us "

@@ -1,7 +1,8 @@
 """One kdtree call for compute-sanitizer: `small` (one split per request, B=2), `split` (split-K + combine) or
 `many` (24 requests, more work items than SMs: blocks run several items, some split, back to back); `reuse`:
 the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q); `n1`: the
-split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape).
+split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape);
+`pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks).
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small
@@ -17,7 +18,8 @@ from kdtree.synthetic import make_verify_batch
 
 case = sys.argv[1] if len(sys.argv) > 1 else "small"
 many = [300 + 53 * i for i in range(24)]
-prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, "n1": [3000, 70]}[case]
+prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, "n1": [3000, 70],
+            "pack": [3000, 70]}[case]
 n = 1 if case == "n1" else 9
 b = make_verify_batch(prefixes, 16, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1)
 args = b.verify_args()
@@ -27,8 +29,15 @@ ws = kdtree.Workspace()
 for i in range(calls):
     if i:
         b.q.copy_(torch.randn_like(b.q))   # q_nope / q_pe are views of b.q
-    out = kdtree.verify_attention(**args, workspace=ws, reuse_plan=i > 0)
-    torch.cuda.synchronize()
+    if case == "pack":   # into a buffer of garbage: the call's own packing must fill it
+        packed = torch.full_like(args["tree_mask"], -1)
+        out = kdtree.verify_attention(**dict(args, tree_mask=packed), workspace=ws, custom_mask=b.custom_mask,
+                                      mask_indptr=b.mask_indptr)
+        torch.cuda.synchronize()
+        ok = ok and torch.equal(packed, args["tree_mask"])
+    else:
+        out = kdtree.verify_attention(**args, workspace=ws, reuse_plan=i > 0)
+        torch.cuda.synchronize()
     ref = verify_attention_reference(**args)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     print(f"sanitize case {case}, call {i}: prefixes {prefixes}, rel err {err:.2e}")

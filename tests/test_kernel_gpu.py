@@ -149,6 +149,63 @@ def test_gpu_mask_pack_matches_cpu():
     assert torch.equal(gpu.cpu(), cpu)
 
 
+def test_the_call_packs_its_own_mask():
+    # verify_attention(custom_mask=, mask_indptr=): the plan kernel's blocks 1.. pack the mask into tree_mask (garbage
+    # before), bit for bit as build_tree_mask does, and the output is the separately packed call's, bit for bit
+    batch = make_verify_batch([5000, 0, 300, 70000], 16, 9, kind="tree", pad=2, device="cuda", seed=61)
+    args = batch.verify_args()
+    t = batch.q.shape[0]
+    ref_out = kdtree.verify_attention(**args)
+    _check(ref_out, args)
+    pack = dict(custom_mask=batch.custom_mask, mask_indptr=batch.mask_indptr)
+    for max_n in (9, 130):   # W = 1 and 3: the words past the drafts are written as zeros
+        want = build_tree_mask(batch.custom_mask, batch.mask_indptr, batch.qo_indptr, batch.kv_indptr, t, max_n)
+        buf = torch.full_like(want, -1)
+        out = kdtree.verify_attention(**dict(args, tree_mask=buf), **pack)
+        torch.cuda.synchronize()
+        assert torch.equal(buf, want), f"W={want.shape[1]}: the mask packed in the call differs"
+        assert torch.equal(out, ref_out), f"W={want.shape[1]}: the output differs from the separately packed call's"
+    # reuse_plan: no plan kernel runs, so the pack kernel packs before the split
+    ws = kdtree.Workspace()
+    kdtree.verify_attention(**args, workspace=ws)
+    buf = torch.full_like(args["tree_mask"], -1)
+    out = kdtree.verify_attention(**dict(args, tree_mask=buf), workspace=ws, reuse_plan=True, **pack)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, args["tree_mask"]) and torch.equal(out, ref_out)
+
+
+def test_the_packing_call_in_a_cuda_graph():
+    # captured once, replayed on a new tree in the same custom_mask buffer: the replay packs the new mask
+    batch = make_verify_batch([6000, 100], 16, 9, device="cuda", seed=71)
+    args = batch.verify_args()
+    t, h = batch.q.shape[:2]
+    buf = torch.empty_like(args["tree_mask"])
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
+
+    def packing_call():
+        kdtree.verify_attention(**dict(args, tree_mask=buf), out=out, custom_mask=batch.custom_mask,
+                                mask_indptr=batch.mask_indptr)
+
+    packing_call()   # warm-up: workspace sized outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        packing_call()
+    fresh = make_verify_batch([6000, 100], 16, 9, device="cuda", seed=72)   # same sizes, another random tree
+    assert fresh.custom_mask.shape == batch.custom_mask.shape
+    batch.custom_mask.copy_(fresh.custom_mask)
+    want = build_tree_mask(batch.custom_mask, batch.mask_indptr, batch.qo_indptr, batch.kv_indptr, t, 9)
+    assert not torch.equal(want, args["tree_mask"]), "the new tree must differ from the captured one"
+    buf.fill_(-1)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(buf, want)
+    new_args = dict(args, tree_mask=want)
+    _check(out, new_args)
+    assert torch.equal(out, kdtree.verify_attention(**new_args)), "graph replay differs from eager"
+
+
 def _solo_and_in_a_batch(heads, n, seed):
     """One request (20,000-token prefix) alone, and the same request second in a batch of three with the same
     token count: its rows from both calls, and the solo call's arguments."""

@@ -379,6 +379,54 @@ def test_cpu_ignores_a_workspace_object_and_reuse_plan():
     assert torch.equal(call(args, workspace=ops.Workspace(), reuse_plan=True), ref)
 
 
+def test_the_call_packs_custom_mask_into_tree_mask():
+    # verify_attention(custom_mask=, mask_indptr=) fills tree_mask as build_tree_mask would, then attends with it
+    args, b = batch_args((40, 0, 7), 9, 3)
+    buf = torch.full_like(args["tree_mask"], 0x5A5A)
+    out = call(dict(args, tree_mask=buf), custom_mask=b.custom_mask, mask_indptr=b.mask_indptr)
+    assert torch.equal(buf, args["tree_mask"])
+    assert torch.equal(out, call(args))
+    buf.fill_(-1)   # int32 mask_indptr and a uint8 custom_mask are accepted too
+    call(dict(args, tree_mask=buf), custom_mask=b.custom_mask.to(torch.uint8), mask_indptr=b.mask_indptr.int())
+    assert torch.equal(buf, args["tree_mask"])
+
+
+@pytest.mark.parametrize("kw,exc,message", [
+    (dict(mask_indptr="b"), ValueError, r"mask_indptr is given without custom_mask"),
+    (dict(custom_mask="b"), ValueError, r"custom_mask needs mask_indptr"),
+    (dict(custom_mask="b", mask_indptr="b", tree_mask=None), ValueError, r"custom_mask needs tree_mask"),
+    (dict(custom_mask="int", mask_indptr="b"), TypeError, r"custom_mask must be bool or uint8"),
+    (dict(custom_mask="b", mask_indptr="float"), TypeError, r"mask_indptr must be"),
+    (dict(custom_mask="b", mask_indptr="short"), ValueError, r"mask_indptr, qo_indptr and kv_indptr must all be"),
+])
+def test_custom_mask_arguments_are_named(kw, exc, message):
+    args, b = batch_args((40, 0, 7), 9, 3)
+    values = {"b": None, "int": b.custom_mask.int(), "float": b.mask_indptr.float(), "short": b.mask_indptr[:-1]}
+    pack = {}
+    for name in ("custom_mask", "mask_indptr"):
+        if name in kw:
+            v = values[kw[name]]
+            pack[name] = v if v is not None else getattr(b, name)
+    if "tree_mask" in kw:
+        args["tree_mask"] = kw["tree_mask"]
+    with pytest.raises(exc, match=message):
+        call(args, **pack)
+
+
+def test_cuda_branch_passes_the_mask_to_pack(fake_cuda, monkeypatch):
+    from kdtree import ops
+
+    launches, _ = fake_cuda
+    monkeypatch.setattr(ops, "check_custom_mask", lambda *a: torch.device("cuda", 0))
+    args, b = batch_args((40, 0, 7), 9, 3)
+    call(args)
+    call(args, custom_mask=b.custom_mask, mask_indptr=b.mask_indptr)
+    assert (launches[0]["pack_custom_mask"], launches[0]["pack_mask_indptr"]) == (0, 0)
+    assert launches[1]["pack_custom_mask"] == b.custom_mask.data_ptr()
+    assert launches[1]["pack_mask_indptr"] == b.mask_indptr.data_ptr()   # int64 already: no copy
+    assert launches[1]["tree_mask"] == args["tree_mask"].data_ptr()
+
+
 def test_too_many_heads():
     args, _ = batch_args((4,), 2, 1)
     T = args["q_nope"].shape[0]

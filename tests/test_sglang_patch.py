@@ -256,15 +256,15 @@ def test_on_with_unit_kv_scales_saves_like_original(sg_patch):
 
 
 def _spy_kernel_calls(monkeypatch, fail_first=False):
-    """Record (reuse_plan, workspace) of every ops.verify_attention call the patch makes; with
-    ``fail_first`` the first call raises before launching anything."""
+    """Record (reuse_plan, workspace, whether it packs custom_mask) of every ops.verify_attention call the patch
+    makes; with ``fail_first`` the first call raises before launching anything."""
     from kdtree import ops
 
     calls = []
     real = ops.verify_attention
 
     def spy(*args, **kwargs):
-        calls.append((kwargs.get("reuse_plan", False), kwargs.get("workspace")))
+        calls.append((kwargs.get("reuse_plan", False), kwargs.get("workspace"), kwargs.get("custom_mask") is not None))
         if fail_first and len(calls) == 1:
             raise RuntimeError("launch failed")
         return real(*args, **kwargs)
@@ -274,26 +274,20 @@ def _spy_kernel_calls(monkeypatch, fail_first=False):
 
 
 def test_on_reuses_tree_mask_and_plan_across_layers_of_one_pass(sg_patch, monkeypatch):
-    from kdtree import layout, ops
+    from kdtree import ops
 
-    built = []
-    real = layout.build_tree_mask
-
-    def counting(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(layout, "build_tree_mask", counting)
     calls = _spy_kernel_calls(monkeypatch)
+    built = lambda: sum(packs for _, _, packs in calls)   # noqa: E731 - calls that pack the mask (in the call)
     sg_patch.install("on", propagate=False)
     case = build_case(seed=12, batch=2, n=4, layer_num=3, prefix_lens=[5, 8])
     layers = [case.layer] + [type(case.layer)(case.num_heads, 576, DEFAULT_SCALING, 1, i, v_head_dim=512)
                              for i in (1, 2)]
     with parallel_context(case.sg):
         outs = [case.backend.forward_extend(case.q, case.k, case.v, lyr, case.forward_batch) for lyr in layers]
-    assert len(built) == 1, "one forward pass (layers 0, 1, 2) must pack the mask once"
-    assert [reuse for reuse, _ in calls] == [False, True, True], "layers after the first reuse the plan"
-    workspaces = {id(ws) for _, ws in calls}
+    assert [packs for _, _, packs in calls] == [True, False, False], \
+        "one forward pass (layers 0, 1, 2) must pack the mask once, in its first layer's call"
+    assert [reuse for reuse, _, _ in calls] == [False, True, True], "layers after the first reuse the plan"
+    workspaces = {id(ws) for _, ws, _ in calls}
     assert len(workspaces) == 1 and isinstance(calls[0][1], ops.Workspace), "the backend's own workspace"
     assert calls[0][1] is not ops._shared_workspace
     for lyr, out in zip(layers, outs):
@@ -301,11 +295,11 @@ def test_on_reuses_tree_mask_and_plan_across_layers_of_one_pass(sg_patch, monkey
         assert_close_bf16(out, reference_output(case), what=f"layer {lyr.layer_id}")
     case.layer = layers[0]
     case.call()                                    # layer 0 again: a new pass packs and plans again
-    assert len(built) == 2 and calls[-1][0] is False
+    assert built() == 2 and calls[-1][0] is False
     case.backend.forward_metadata = copy.copy(case.backend.forward_metadata)
     case.layer = layers[1]
     case.call()                                    # new metadata object: a new pass, even at layer 1
-    assert len(built) == 3 and calls[-1][0] is False
+    assert built() == 3 and calls[-1][0] is False
 
 
 def test_on_failed_launch_leaves_no_plan_to_reuse(sg_patch, monkeypatch):
@@ -317,7 +311,7 @@ def test_on_failed_launch_leaves_no_plan_to_reuse(sg_patch, monkeypatch):
         case.call()                                # layer 0: the launch fails
     case.layer = layer1
     out = case.call()                              # layer 1 of the same pass must plan afresh
-    assert [reuse for reuse, _ in calls] == [False, False]
+    assert [(reuse, packs) for reuse, _, packs in calls] == [(False, True), (False, True)]
     assert_close_bf16(out, reference_output(case))
 
 

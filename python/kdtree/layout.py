@@ -105,6 +105,26 @@ def _check_indptr(t, name: str, dtypes, device) -> None:
         raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(t.shape)}")
 
 
+def check_custom_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr) -> torch.device:
+    """The structural checks of SGLang's flat ``custom_mask`` and the indptrs that delimit it (types, dtypes,
+    devices, shapes; never values), shared by :func:`build_tree_mask` and ``verify_attention(custom_mask=...)``.
+    Returns custom_mask's device; raises TypeError / ValueError naming the argument."""
+    _require_tensor(custom_mask, "custom_mask")
+    if custom_mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"custom_mask must be bool or uint8, got {custom_mask.dtype}")
+    if custom_mask.dim() != 1:
+        raise ValueError(f"custom_mask must be 1-D (SGLang's flat layout), got shape {tuple(custom_mask.shape)}")
+    device = custom_mask.device
+    _check_indptr(mask_indptr, "mask_indptr", (torch.int64, torch.int32), device)
+    _check_indptr(qo_indptr, "qo_indptr", (torch.int32, torch.int64), device)
+    _check_indptr(kv_indptr, "kv_indptr", (torch.int32, torch.int64), device)
+    if not (mask_indptr.shape[0] == qo_indptr.shape[0] == kv_indptr.shape[0] >= 2):
+        raise ValueError(
+            f"mask_indptr, qo_indptr and kv_indptr must all be [B + 1] with B >= 1, got lengths "
+            f"{mask_indptr.shape[0]}, {qo_indptr.shape[0]}, {kv_indptr.shape[0]}")
+    return device
+
+
 def build_tree_mask(
     custom_mask: Optional[torch.Tensor],
     mask_indptr: torch.Tensor,
@@ -134,19 +154,7 @@ def build_tree_mask(
     """
     if custom_mask is None:
         return None
-    _require_tensor(custom_mask, "custom_mask")
-    if custom_mask.dtype not in (torch.bool, torch.uint8):
-        raise TypeError(f"custom_mask must be bool or uint8, got {custom_mask.dtype}")
-    if custom_mask.dim() != 1:
-        raise ValueError(f"custom_mask must be 1-D (SGLang's flat layout), got shape {tuple(custom_mask.shape)}")
-    device = custom_mask.device
-    _check_indptr(mask_indptr, "mask_indptr", (torch.int64, torch.int32), device)
-    _check_indptr(qo_indptr, "qo_indptr", (torch.int32, torch.int64), device)
-    _check_indptr(kv_indptr, "kv_indptr", (torch.int32, torch.int64), device)
-    if not (mask_indptr.shape[0] == qo_indptr.shape[0] == kv_indptr.shape[0] >= 2):
-        raise ValueError(
-            f"mask_indptr, qo_indptr and kv_indptr must all be [B + 1] with B >= 1, got lengths "
-            f"{mask_indptr.shape[0]}, {qo_indptr.shape[0]}, {kv_indptr.shape[0]}")
+    device = check_custom_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
     words = mask_words(max_n)

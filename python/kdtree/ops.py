@@ -33,7 +33,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 
 from . import _ext
-from .layout import kv_cache_2d, split_mla_q
+from .layout import build_tree_mask, check_custom_mask, kv_cache_2d, split_mla_q
 from .reference import verify_attention_reference
 
 __all__ = ["Workspace", "verify_attention", "verify_attention_mla", "workspace_for"]
@@ -335,6 +335,8 @@ def verify_attention(
     out: Optional[torch.Tensor] = None,
     workspace=None,
     reuse_plan: bool = False,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged tree-verify attention over MLA latents for a batch of B requests.
 
@@ -367,6 +369,12 @@ def verify_attention(
             its dependency wait). Needs an explicit ``workspace``; the values are not checked (they
             live on the GPU), so a wrong reuse gives wrong results. A :class:`Workspace` that had to
             grow for this call holds no plan, and the call computes it. Ignored for CPU tensors.
+        custom_mask: optional SGLang flat ``custom_mask`` (1-D bool or uint8), with ``mask_indptr`` (``[B + 1]``
+            int64 or int32): the call packs it into ``tree_mask`` itself, as :func:`kdtree.layout.build_tree_mask`
+            would, so ``tree_mask`` must then be a ``[T, W]`` int64 buffer (contents overwritten; e.g.
+            ``torch.empty(T, kdtree.layout.mask_words(max_n), dtype=torch.int64)``) that later calls may pass
+            packed. On CUDA the packing runs inside the call's plan kernel: one kernel and one dependency wait fewer
+            than ``build_tree_mask`` before the call (with ``reuse_plan``, the pack kernel runs instead).
     Returns:
         ``out`` (allocated with ``torch.empty`` when not given), ``[T, H, 512]`` bfloat16.
 
@@ -389,8 +397,12 @@ def verify_attention(
     scale = _sm_scale(sm_scale)
     if not isinstance(reuse_plan, bool):
         raise TypeError(f"reuse_plan must be a bool, got {type(reuse_plan).__name__}")
+    if custom_mask is not None or mask_indptr is not None:
+        _check_pack(custom_mask, mask_indptr, qo_indptr, kv_indptr, tree_mask, device)
 
     if device.type != "cuda":
+        if custom_mask is not None:
+            tree_mask.copy_(build_tree_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr, T, 64 * words))
         if workspace is not None and not isinstance(workspace, Workspace):   # a Workspace holds CUDA buffers only
             _tensor(workspace, "workspace")
             raise ValueError(f"workspace is only used for CUDA tensors; got one on {workspace.device} "
@@ -441,6 +453,11 @@ def verify_attention(
         # An empty kv_indices (every prefix empty) may have a NULL data pointer; the kernel never
         # reads it then (all P_b are 0), so any valid device pointer stands in.
         kv_indices_ptr = kv_indices.data_ptr() if kv_indices.numel() else kv_indptr.data_ptr()
+        pack_mask = pack_indptr = 0
+        if custom_mask is not None:   # (stream-ordered conversions, no sync; SGLang's dtypes need none)
+            custom_mask = custom_mask.contiguous()
+            mask_indptr = mask_indptr.to(torch.int64).contiguous()
+            pack_mask, pack_indptr = custom_mask.data_ptr(), mask_indptr.data_ptr()
         ext.launch(
             q_nope=q_nope.data_ptr(),
             q_nope_stride_t=q_nope_st,
@@ -471,8 +488,24 @@ def verify_attention(
             workspace_bytes=int(workspace.numel()),
             stream=torch.cuda.current_stream(device).cuda_stream,
             reuse_plan=reuse_plan,
+            pack_custom_mask=pack_mask,
+            pack_mask_indptr=pack_indptr,
         )
     return out
+
+
+def _check_pack(custom_mask, mask_indptr, qo_indptr, kv_indptr, tree_mask, device) -> None:
+    """verify_attention's custom_mask / mask_indptr: both or neither, and a tree_mask buffer to pack into."""
+    if custom_mask is None:
+        raise ValueError("mask_indptr is given without custom_mask: pass both (the call packs custom_mask into "
+                         "tree_mask) or neither")
+    if mask_indptr is None:
+        raise ValueError("custom_mask needs mask_indptr ([B + 1] int64: where each request's block starts)")
+    if tree_mask is None:
+        raise ValueError("custom_mask needs tree_mask: the [T, W] int64 buffer the call packs it into "
+                         "(torch.empty(T, kdtree.layout.mask_words(max_n), dtype=torch.int64))")
+    if check_custom_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr) != device:
+        raise ValueError(f"custom_mask is on {custom_mask.device} but q_nope is on {device}")
 
 
 def verify_attention_mla(
@@ -488,6 +521,8 @@ def verify_attention_mla(
     out: Optional[torch.Tensor] = None,
     workspace=None,
     reuse_plan: bool = False,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`verify_attention` on SGLang's MLA tensors as the backend receives them.
 
@@ -495,8 +530,8 @@ def verify_attention_mla(
         q: ``[T, H, 576]`` bfloat16 (nope then rope; split with views).
         k: ``[T, 1, 576]`` or ``[T, 576]`` bfloat16, the verify tokens' latent rows.
         key_buffer: the pool's ``[S, 1, 576]`` (or ``[S, 576]``) bfloat16 key buffer.
-        kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, workspace, reuse_plan: as in
-            verify_attention.
+        kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, workspace, reuse_plan, custom_mask,
+            mask_indptr: as in verify_attention.
     Returns:
         ``[T, H, 512]`` bfloat16.
     """
@@ -507,4 +542,5 @@ def verify_attention_mla(
             raise ValueError(f"k must be [T, 1, {HEAD_DIM_QK}] or [T, {HEAD_DIM_QK}], got {tuple(k.shape)}")
         k = k.select(1, 0)
     return verify_attention(q_nope, q_pe, kv_cache_2d(key_buffer), kv_indptr, kv_indices, qo_indptr, k,
-                            tree_mask, sm_scale, out=out, workspace=workspace, reuse_plan=reuse_plan)
+                            tree_mask, sm_scale, out=out, workspace=workspace, reuse_plan=reuse_plan,
+                            custom_mask=custom_mask, mask_indptr=mask_indptr)

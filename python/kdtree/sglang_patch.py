@@ -539,9 +539,11 @@ def _pass_for(backend, md, layer_id: int, num_tokens: int, num_heads: int, captu
                  and cache[3] == num_tokens and cache[4] == num_heads)
     if same_pass:
         mask = cache[5]
-    else:
-        mask = layout.build_tree_mask(md.custom_mask, md.mask_indptr, md.qo_indptr, md.kv_indptr,
-                                      num_tokens, md.max_extend_len)
+    elif md.custom_mask is None:
+        mask = None
+    else:   # packed by this layer's verify call (in its plan kernel), then reused by the pass's later layers
+        mask = torch.empty((num_tokens, layout.mask_words(md.max_extend_len)), dtype=torch.int64,
+                           device=md.custom_mask.device)
     return mask, same_pass
 
 
@@ -565,9 +567,11 @@ def _kernel(backend, q, k, layer, out3, capturing: bool) -> None:
         k2 = k2.contiguous()
     kv_cache = layout.kv_cache_2d(backend.token_to_kv_pool.get_key_buffer(layer.layer_id))
     mask, reuse_plan = _pass_for(backend, md, layer.layer_id, T, H, capturing)
-    backend._kdtree_pass_cache = None   # until this launch is done, no layer may reuse a plan
+    backend._kdtree_pass_cache = None   # until this launch is done, no layer may reuse a plan (or the mask)
+    pack = mask is not None and not reuse_plan   # the pass's first layer packs custom_mask into mask
     ops.verify_attention(q_nope, q_pe, kv_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, k2, mask,
-                         layer.scaling, out=out3, workspace=_workspace_of(backend), reuse_plan=reuse_plan)
+                         layer.scaling, out=out3, workspace=_workspace_of(backend), reuse_plan=reuse_plan,
+                         custom_mask=md.custom_mask if pack else None, mask_indptr=md.mask_indptr if pack else None)
     backend._kdtree_pass_cache = (md, layer.layer_id, capturing, T, H, mask)
 
 

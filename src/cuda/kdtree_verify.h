@@ -110,6 +110,14 @@ typedef struct kdtree_verify_params {
                                    batch_size, num_tokens, num_heads and the same kv_indptr / qo_indptr values
                                    (e.g. an earlier layer of one forward pass, which shares its metadata), on
                                    the same device. Anything else reads a wrong plan: wrong results. */
+
+  /* ---- the tree mask packed by this call (optional; zero-initialised callers keep the fields above) ---- */
+  const uint8_t* pack_custom_mask; /* NULL: tree_mask comes packed (or is NULL). Else SGLang's flat custom_mask, as
+                                      kdtree_pack_tree_mask reads it: the call packs it into tree_mask, which must then
+                                      be non-NULL and writable ([num_tokens, tree_mask_words], fully written before the
+                                      split reads it), inside its plan kernel (one kernel fewer than packing first;
+                                      with reuse_plan, by the pack kernel). */
+  const int64_t* pack_mask_indptr; /* [B + 1] int64, request b's block of pack_custom_mask; needed with it */
 } kdtree_verify_params;
 
 /*

@@ -221,6 +221,11 @@ struct Params {
   // Arrivals on tile_done per split item of the split kernel that runs (1), or 0 for a kernel that signals nothing
   // (the trans experiment): the combine then waits for the whole split pass at its start, as before session 17.
   int done_arrivals;
+  // The tree mask packed by the plan kernel's blocks 1.. (kdtree_verify_params::pack_custom_mask; session 19): SGLang's
+  // flat custom_mask and its mask_indptr, packed into tree_mask (mask_words words per row) before the split reads it.
+  // NULL: tree_mask comes packed (or is NULL). Last in the struct: the other fields' parameter offsets stay as before.
+  const uint8_t* pack_mask;
+  const int64_t* pack_mask_indptr;
 };
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
@@ -302,7 +307,8 @@ __device__ unsigned long long g_item_store[3];
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans).
+// Plan: one block; per request its split count, chunk, row tiles and offsets (exclusive scans). A call that packs its
+// own tree mask (Params::pack_mask) launches more blocks: blocks 1.. pack it, kPlanThreads words each.
 // ---------------------------------------------------------------------------------------------
 constexpr int kPlanThreads = 256;
 // Batches of up to 32 requests are planned by one warp with shuffle scans (session 8); 0: the block-wide scan
@@ -397,6 +403,30 @@ __device__ __forceinline__ void write_plan_totals(const Params& prm, int items, 
   prm.counter[4] = 0;
 }
 
+// Tree-mask packing from SGLang's flat custom_mask: word idx = t * words + w of the packed mask, by one thread (the pack
+// kernel's, or the plan kernel's blocks 1.. when a verify call packs its own mask).
+__device__ __forceinline__ void pack_tree_mask_word(const uint8_t* custom_mask, const int64_t* mask_indptr,
+                                                    const void* qo_indptr, int qo64, const int32_t* kv_indptr,
+                                                    int batch, int num_tokens, uint64_t* out, int words, long long idx) {
+  if (idx >= (long long)num_tokens * words) return;
+  const int t = (int)(idx / words);
+  const int w = (int)(idx - (long long)t * words);
+  const int lo = owning_request(batch, t, [&](int b) { return load_index(qo_indptr, qo64, b); });
+  const long long qb = load_index(qo_indptr, qo64, lo);
+  const long long qe = load_index(qo_indptr, qo64, lo + 1);
+  uint64_t bits = 0;
+  if (t >= qb && t < qe) {
+    const long long n_tok = qe - qb;
+    const long long p = kv_indptr[lo + 1] - kv_indptr[lo];
+    const long long i = t - qb;
+    const uint8_t* row = custom_mask + mask_indptr[lo] + i * (p + n_tok) + p;
+    const int j0 = w * 64;
+    const int j1 = (int)(n_tok < j0 + 64 ? n_tok : j0 + 64);
+    for (int j = j0; j < j1; ++j) bits |= (uint64_t)(row[j] != 0) << (j - j0);
+  }
+  out[idx] = bits;
+}
+
 __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params prm) {
   __shared__ int s_items[kPlanThreads];
   __shared__ int s_items_s[kPlanThreads];
@@ -409,6 +439,12 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the indptr arrays may come from the previous kernel on the stream
   KDTREE_TIMELINE(1, 1);
+  if (blockIdx.x > 0) {   // the tree mask, packed beside the plan (launched only with prm.pack_mask)
+    pack_tree_mask_word(prm.pack_mask, prm.pack_mask_indptr, prm.qo_indptr, prm.qo_indptr_64, prm.kv_indptr, prm.batch,
+                        prm.num_tokens, const_cast<uint64_t*>(prm.tree_mask), prm.mask_words,
+                        (long long)(blockIdx.x - 1) * kPlanThreads + tid);
+    return;
+  }
   __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
   for (int i = tid; i < kDimQK; i += kPlanThreads) zero_row[i] = __float2bfloat16(0.f);
   if (KDTREE_PLAN_WARP && prm.batch <= 32) {   // one warp: shuffle scans, no block barriers (the split waits on this)
@@ -1481,25 +1517,9 @@ __global__ void kdtree_pack_tree_mask_kernel(const uint8_t* custom_mask, const i
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // custom_mask and the indptr arrays come from earlier work on the stream
   KDTREE_TIMELINE(0, 1);
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   KDTREE_TIMELINE(0, 2);   // (the start of the last block to run: its few loads and store follow)
-  if (idx >= (long long)num_tokens * words) return;
-  const int t = (int)(idx / words);
-  const int w = (int)(idx - (long long)t * words);
-  const int lo = owning_request(batch, t, [&](int b) { return load_index(qo_indptr, qo64, b); });
-  const long long qb = load_index(qo_indptr, qo64, lo);
-  const long long qe = load_index(qo_indptr, qo64, lo + 1);
-  uint64_t bits = 0;
-  if (t >= qb && t < qe) {
-    const long long n_tok = qe - qb;
-    const long long p = kv_indptr[lo + 1] - kv_indptr[lo];
-    const long long i = t - qb;
-    const uint8_t* row = custom_mask + mask_indptr[lo] + i * (p + n_tok) + p;
-    const int j0 = w * 64;
-    const int j1 = (int)(n_tok < j0 + 64 ? n_tok : j0 + 64);
-    for (int j = j0; j < j1; ++j) bits |= (uint64_t)(row[j] != 0) << (j - j0);
-  }
-  out[idx] = bits;
+  pack_tree_mask_word(custom_mask, mask_indptr, qo_indptr, qo64, kv_indptr, batch, num_tokens, out, words,
+                      (long long)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
 }  // namespace kdtree

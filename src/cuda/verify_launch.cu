@@ -288,6 +288,7 @@ int validate(const kdtree_verify_params* p) {
   if (p->tree_mask && (p->tree_mask_words < 1 || p->tree_mask_words > KDTREE_MAX_MASK_WORDS)) return KDTREE_ERR_MASK_WORDS;
   if (!(p->sm_scale > 0.f) || !isfinite(p->sm_scale)) return KDTREE_ERR_SCALE;
   if (p->reuse_plan != 0 && p->reuse_plan != 1) return KDTREE_ERR_REUSE_PLAN;
+  if (p->pack_custom_mask && (!p->pack_mask_indptr || !p->tree_mask)) return KDTREE_ERR_NULL_POINTER;
   // strides: a head / token step must not overlap the row it spans (heads may alias only if H == 1)
   if (p->q_nope_stride_h < (p->num_heads > 1 ? KDTREE_HEAD_DIM_NOPE : 0) ||
       p->q_nope_stride_t < (long long)(p->num_heads - 1) * p->q_nope_stride_h + KDTREE_HEAD_DIM_NOPE ||
@@ -427,10 +428,22 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.tile_seen = reinterpret_cast<int*>(ws + lay.tile_seen);
   // (a mixed call's skinny kernel signals as the dual one: once per item)
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
+  prm.pack_mask = p->pack_custom_mask;
+  prm.pack_mask_indptr = p->pack_mask_indptr;
 
   const bool pdl = dev.pdl;
-  if (!p->reuse_plan)
-    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1, kdtree::kPlanThreads, 0, stream, pdl, prm));
+  // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
+  // kdtree_pack_tree_mask before the call), or by the pack kernel when the plan kernel does not run
+  const long long pack_words = p->pack_custom_mask ? (long long)p->num_tokens * p->tree_mask_words : 0;
+  if (pack_words && p->reuse_plan)
+    KDTREE_TRY(launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)((pack_words + 127) / 128), 128, 0, stream,
+                             pdl, p->pack_custom_mask, p->pack_mask_indptr, p->qo_indptr, prm.qo_indptr_64, p->kv_indptr,
+                             p->batch_size, p->num_tokens, const_cast<uint64_t*>(p->tree_mask), p->tree_mask_words));
+  if (!p->reuse_plan) {
+    const unsigned pack_blocks = (unsigned)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
+    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1 + pack_blocks, kdtree::kPlanThreads, 0, stream, pdl,
+                             prm));
+  }
   KDTREE_TRY(launch_kernel(split.kernel, split_blocks, split.threads, split.smem, stream, pdl, prm));
   if (rem_blocks) {   // beside it, on the SMs it leaves free (programmatic launch; serial without PDL, still correct)
     const SplitLaunch rem = split_launch(kSkinnyRem);

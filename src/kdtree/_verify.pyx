@@ -57,6 +57,8 @@ cdef extern from "kdtree_verify.h" nogil:
         void* workspace
         size_t workspace_bytes
         int reuse_plan
+        const uint8_t* pack_custom_mask
+        const int64_t* pack_mask_indptr
 
     size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads)
     int kdtree_verify_launch(const kdtree_verify_params* params, void* stream)
@@ -200,13 +202,15 @@ def launch(*, q_nope, q_nope_stride_t, q_nope_stride_h, q_pe, q_pe_stride_t, q_p
            kv_cache, kv_stride_s, num_slots, kv_indices, kv_indices_dtype, kv_indptr,
            k_new, k_new_stride_t, qo_indptr, qo_indptr_dtype, tree_mask, tree_mask_words,
            out, out_stride_t, out_stride_h, batch_size, num_tokens, num_heads, sm_scale,
-           workspace, workspace_bytes, stream, reuse_plan=False):
+           workspace, workspace_bytes, stream, reuse_plan=False, pack_custom_mask=0, pack_mask_indptr=0):
     """Run kdtree_verify_launch on ``stream`` (asynchronous; the GIL is released during the call).
 
     Shapes, dtypes and stride units are those of ``kdtree_verify_params`` in kdtree_verify.h.
     ``tree_mask=0`` means a causal chain. ``reuse_plan=True`` skips the plan kernel and runs on the
     plan the workspace holds from the previous call (same batch, tokens, heads and indptr values:
-    the header says when that is safe). Raises KdtreeError on a non-zero status.
+    the header says when that is safe). ``pack_custom_mask`` / ``pack_mask_indptr`` (SGLang's flat custom_mask and
+    its int64 indptr): the call packs them into ``tree_mask`` itself, in its plan kernel. Raises KdtreeError on a
+    non-zero status.
     """
     if not isinstance(reuse_plan, bool):
         raise TypeError(f"reuse_plan must be a bool, got {type(reuse_plan).__name__}")
@@ -239,6 +243,8 @@ def launch(*, q_nope, q_nope_stride_t, q_nope_stride_h, q_pe, q_pe_stride_t, q_p
     p.workspace = <void*>_ptr(workspace, "workspace")
     p.workspace_bytes = _ptr(workspace_bytes, "workspace_bytes")
     p.reuse_plan = 1 if reuse_plan else 0
+    p.pack_custom_mask = <const uint8_t*>_ptr(pack_custom_mask, "pack_custom_mask")
+    p.pack_mask_indptr = <const int64_t*>_ptr(pack_mask_indptr, "pack_mask_indptr")
     cdef void* c_stream = <void*>_ptr(stream, "stream")
     cdef int status
     with nogil:
