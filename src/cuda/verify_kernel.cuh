@@ -443,6 +443,7 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
     pack_tree_mask_word(prm.pack_mask, prm.pack_mask_indptr, prm.qo_indptr, prm.qo_indptr_64, prm.kv_indptr, prm.batch,
                         prm.num_tokens, const_cast<uint64_t*>(prm.tree_mask), prm.mask_words,
                         (long long)(blockIdx.x - 1) * kPlanThreads + tid);
+    KDTREE_TIMELINE(1, 2);
     return;
   }
   __nv_bfloat16* zero_row = const_cast<__nv_bfloat16*>(prm.zero_row);
@@ -1453,13 +1454,15 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   if (threadIdx.x == 0 && atomicAdd(&g_timeline_done, 1u) == gridDim.x - 1) {
     unsigned long long t0 = ~0ull;
     for (int k = 0; k < 4; ++k) t0 = min(t0, g_timeline[k][0]);
+    // -1: a kernel that did not run (the mask pack when the call packs its own mask)
+    auto us = [&](unsigned long long t) { return t == ~0ull || t == 0 ? -1.0 : (double)(t - t0) * 1e-3; };
     printf("TIMELINE us from the first start: mask %.2f %.2f %.2f | plan %.2f %.2f %.2f | split %.2f %.2f %.2f | combine %.2f %.2f %.2f"
            " (latest plan read %.2f, summed %.2f, stored %.2f)\n",
-           (double)(g_timeline[0][0] - t0) * 1e-3, (double)(g_timeline[0][1] - t0) * 1e-3, (double)(g_timeline[0][2] - t0) * 1e-3,
-           (double)(g_timeline[1][0] - t0) * 1e-3, (double)(g_timeline[1][1] - t0) * 1e-3, (double)(g_timeline[1][2] - t0) * 1e-3,
-           (double)(g_timeline[2][0] - t0) * 1e-3, (double)(g_timeline[2][1] - t0) * 1e-3, (double)(g_timeline[2][2] - t0) * 1e-3,
-           (double)(g_timeline[3][0] - t0) * 1e-3, (double)(g_timeline[3][1] - t0) * 1e-3, (double)(g_timeline[3][2] - t0) * 1e-3,
-           (double)(g_timeline[4][0] - t0) * 1e-3, (double)(g_timeline[4][1] - t0) * 1e-3, (double)(g_timeline[4][2] - t0) * 1e-3);
+           us(g_timeline[0][0]), us(g_timeline[0][1]), us(g_timeline[0][2]),
+           us(g_timeline[1][0]), us(g_timeline[1][1]), us(g_timeline[1][2]),
+           us(g_timeline[2][0]), us(g_timeline[2][1]), us(g_timeline[2][2]),
+           us(g_timeline[3][0]), us(g_timeline[3][1]), us(g_timeline[3][2]),
+           us(g_timeline[4][0]), us(g_timeline[4][1]), us(g_timeline[4][2]));
     // the works: how long each waited past its tile's release, loaded and summed, stored; the latest six in full
     {
       const long long rows = (long long)prm.num_tokens * prm.heads, nw = min(rows * prm.counter[2], (long long)kStampWorks);
