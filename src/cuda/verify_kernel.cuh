@@ -1301,20 +1301,23 @@ __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
 // counter index. A wait that outlasts kDoneWaitNs can only be a broken count: it traps (a launch error) rather than
 // hang the GPU.
 constexpr unsigned long long kDoneWaitNs = 30ull * 1000 * 1000 * 1000;
+// Spins (acquire) until counter *done reaches target.
+__device__ __forceinline__ void spin_until_done(const int* done, int target) {
+  const unsigned long long t0 = global_ns();
+  int n;
+  do {
+    __nanosleep(128);
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
+    if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
+  } while (n < target);
+}
 __device__ __forceinline__ long long wait_tile_done(const Params& prm, const ReqPlan& rp, int r, int nsplit) {
   const long long i = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
   const int target = nsplit * prm.done_arrivals;
   const int* done = prm.tile_done + i;
   int n;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
-  if (n < target) {
-    const unsigned long long t0 = global_ns();
-    do {
-      __nanosleep(128);
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
-      if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
-    } while (n < target);
-  }
+  if (n < target) spin_until_done(done, target);
   return i;
 }
 // The works of row r's tile: its rows times the slices of each (every one passes wait_tile_done once per call).
@@ -1365,12 +1368,13 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     const int slices = combine_slices(nsplit);
     if (slice >= slices) continue;                                                  // block-uniform
     KDTREE_WORK_STAMP(w, 0);
-    if (early && !kCombinePerSplit) {   // the row tile's split items have all stored their partials
+    if (early) {   // the row tile's split items have all stored their partials (per split: waited for below)
       if (tid == 0) {
-        s_tile[0] = wait_tile_done(prm, rp, r, nsplit);
+        s_tile[0] = kCombinePerSplit ? tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r))
+                                     : wait_tile_done(prm, rp, r, nsplit);
         s_tile[1] = tile_works(prm, rp, r, slices);   // (for the end of the work, kept out of registers)
       }
-      __syncthreads();
+      if (!kCombinePerSplit) __syncthreads();
     }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
     KDTREE_WORK_STAMP(w, 1);
@@ -1396,7 +1400,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       if (kCombinePerSplit && early) {
         // split sp's counter sits at its partial row of the tile's first row: flags[sp * rstride]. All the thread's
         // counters are read at once (relaxed) and one fence makes those released acquired; then, in the fixed order,
-        // each split's loads are issued, a split not yet released first spun on (and fenced) alone. After a tile's
+        // each split's loads are issued, a split not yet released first spun on (acquire) alone. After a tile's
         // last release only the splits from the last one on are left to load.
         const int* flags = prm.tile_done + tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
         const int rs = (int)rstride;
@@ -1409,18 +1413,10 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
                          : "=r"(f[k]) : "l"(flags + (base + k * groups) * rs) : "memory");
         }
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-        const unsigned long long t0 = global_ns();
 #pragma unroll
         for (int k = 0; k < kCombineBatch; ++k) {
           const int sp = base + k * groups;
-          if (f[k] < prm.done_arrivals) {
-            do {
-              __nanosleep(64);
-              asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(f[k]) : "l"(flags + sp * rs) : "memory");
-              if (f[k] < prm.done_arrivals && global_ns() - t0 > kDoneWaitNs) __trap();   // a broken count
-            } while (f[k] < prm.done_arrivals);
-            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-          }
+          if (f[k] < prm.done_arrivals) spin_until_done(flags + sp * rs, prm.done_arrivals);
           l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
           v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
                              : make_uint4(0, 0, 0, 0);
@@ -1484,18 +1480,13 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
     // s_tile: after its stores, so that the round trip delays only its own warp's next wait)
     if (early && tid == 0) {
-      if constexpr (kCombinePerSplit) {
-        const long long tile = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
-        if (atomicAdd(prm.tile_seen + tile, 1) == tile_works(prm, rp, r, slices) - 1) {
-          for (int sp = 0; sp < nsplit; ++sp) prm.tile_done[tile + (long long)sp * rstride] = 0;
-          prm.tile_seen[tile] = 0;
-        }
-      } else {
-        const long long tile = s_tile[0];
-        if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
-          prm.tile_done[tile] = 0;
-          prm.tile_seen[tile] = 0;
-        }
+      // (per split, the index again rather than from s_tile: read back there, ptxas spilled 4 B at 64 registers)
+      const long long tile = kCombinePerSplit ? tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r)) : s_tile[0];
+      if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
+        prm.tile_done[tile] = 0;
+        if constexpr (kCombinePerSplit)   // every split's counter (split 0's is the tile's)
+          for (int sp = 1; sp < nsplit; ++sp) prm.tile_done[tile + (long long)sp * rstride] = 0;
+        prm.tile_seen[tile] = 0;
       }
     }
   }

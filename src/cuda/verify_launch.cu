@@ -328,6 +328,17 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), unsigned blocks, int th
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// The pack kernel over num_tokens x words mask words, 128 threads a block (kdtree_pack_tree_mask, and a verify call
+// that packs its own mask but runs no plan kernel).
+cudaError_t launch_pack(const uint8_t* custom_mask, const int64_t* mask_indptr, const void* qo_indptr, int qo64,
+                        const int32_t* kv_indptr, int batch, int num_tokens, uint64_t* out, int words,
+                        cudaStream_t stream, bool pdl) {
+  const int threads = 128;
+  const long long blocks = ((long long)num_tokens * words + threads - 1) / threads;
+  return launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)blocks, threads, 0, stream, pdl, custom_mask,
+                       mask_indptr, qo_indptr, qo64, kv_indptr, batch, num_tokens, out, words);
+}
+
 #define KDTREE_TRY(expr)                 \
   do {                                   \
     const cudaError_t e_ = (expr);       \
@@ -436,9 +447,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   // kdtree_pack_tree_mask before the call), or by the pack kernel when the plan kernel does not run
   const long long pack_words = p->pack_custom_mask ? (long long)p->num_tokens * p->tree_mask_words : 0;
   if (pack_words && p->reuse_plan)
-    KDTREE_TRY(launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)((pack_words + 127) / 128), 128, 0, stream,
-                             pdl, p->pack_custom_mask, p->pack_mask_indptr, p->qo_indptr, prm.qo_indptr_64, p->kv_indptr,
-                             p->batch_size, p->num_tokens, const_cast<uint64_t*>(p->tree_mask), p->tree_mask_words));
+    KDTREE_TRY(launch_pack(p->pack_custom_mask, p->pack_mask_indptr, p->qo_indptr, prm.qo_indptr_64, p->kv_indptr,
+                           p->batch_size, p->num_tokens, const_cast<uint64_t*>(p->tree_mask), p->tree_mask_words, stream,
+                           pdl));
   if (!p->reuse_plan) {
     const unsigned pack_blocks = (unsigned)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1 + pack_blocks, kdtree::kPlanThreads, 0, stream, pdl,
@@ -474,13 +485,8 @@ int kdtree_pack_tree_mask(const uint8_t* custom_mask, const int64_t* mask_indptr
   int status = KDTREE_OK;
   const DeviceInfo dev = current_device(&status);
   if (status != KDTREE_OK) return status;
-  const long long n = (long long)num_tokens * out_words;
-  const int threads = 128;
-  const long long blocks = (n + threads - 1) / threads;
-  KDTREE_TRY(launch_kernel(kdtree::kdtree_pack_tree_mask_kernel, (unsigned)blocks, threads, 0,
-                           static_cast<cudaStream_t>(stream_ptr), dev.pdl, custom_mask, mask_indptr, qo_indptr,
-                           qo_indptr_dtype == KDTREE_INDEX_INT64 ? 1 : 0, kv_indptr, batch_size, num_tokens, out,
-                           out_words));
+  KDTREE_TRY(launch_pack(custom_mask, mask_indptr, qo_indptr, qo_indptr_dtype == KDTREE_INDEX_INT64 ? 1 : 0, kv_indptr,
+                         batch_size, num_tokens, out, out_words, static_cast<cudaStream_t>(stream_ptr), dev.pdl));
   return KDTREE_OK;
 }
 
