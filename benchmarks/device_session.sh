@@ -84,13 +84,21 @@ if has trans; then   # the trans kernel (verify_trans.cuh, opt-in): tests, sanit
     | tee "$OUT/bench_trans.log" | grep -v "^\["
 fi
 if has sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     for c in small split many reuse n1; do
       log "compute-sanitizer $tool $c"
       compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "/tmp/sanitize_${tool}_${c}.log" 2>&1
       echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "/tmp/sanitize_${tool}_${c}.log" | tr '\n' ' ')"
       grep -E "Error|hazard|Race|at 0x" "/tmp/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
     done
+  done
+  # synccheck on every other split kernel (barrier use differs per kernel; session 20 found role-divergent bar.sync)
+  for k in STAGES=2 KERNEL=mma KERNEL=wgmma KERNEL=pingpong KERNEL=trans KERNEL=pair KERNEL=srefill KERNEL=skinny MIXED=1; do
+    log "compute-sanitizer synccheck split, KDTREE_SPLIT_$k"
+    var=KDTREE_SPLIT_$k; [ "$k" = MIXED=1 ] && var=KDTREE_$k
+    env "$var" compute-sanitizer --tool synccheck --error-exitcode 9 python3 benchmarks/sanitize_case.py split \
+      > "/tmp/sanitize_synccheck_${k/=/_}.log" 2>&1
+    echo "rc=$? $(grep -E 'ERROR SUMMARY|rel err' "/tmp/sanitize_synccheck_${k/=/_}.log" | tr '\n' ' ')"
   done
   tar czf "$OUT/sanitize_logs.tgz" -C /tmp $(cd /tmp && ls sanitize_*_*.log)   # one file back, not ten
 fi

@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
           l_fin[half] = l_own[half] * fast_exp2(mu[half] - m_fin[half]) + xl * fast_exp2(xmu - m_fin[half]);
           if (c == 0) sm.row_l[r] = l_fin[half];
         }
-        bar_sync(kBarBlock, 128 + kValueThreads);
+        bar_arrive(kBarBlock, 128 + kValueThreads);   // row_l stored (the value side waits, this side need not)
         if (cx.rp.nsplit > 1 && c == 0) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
           }
         }
       }
-      __syncthreads();   // the item's shared memory is consumed before the next item starts
+      sync_block_roles();   // the item's shared memory is consumed before the next item starts
 #ifdef KDTREE_EXP_TRACE
       if (tid == 0 && blockIdx.x == 0) {
         __threadfence_block();
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
                  g_trace[t][1], g_trace[t][2], g_trace[t][3], g_trace[t][4], g_trace[t][5], g_trace[t][6],
                  g_trace[t][7]);
       }
-      __syncthreads();
+      sync_block_roles();
 #endif
     }
   } else {
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
         }
         if (warp == 8) KDTREE_DTRACE(7);
       }
-      bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0
+      bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
       // the ring's first 64 KB hold the rows on their way out: every tile's S and P V is done (the score side's last S
       // before its P, which the value side consumed), no copy is in flight (none past the item's last tile), and the
@@ -476,14 +476,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 #else
       wg::store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
 #endif
-      __syncthreads();
+      sync_block_roles();
       KDTREE_ITEM_STORE_END(vt == 255);
       // every partial of the item is stored (score warpgroup 0's log-sum-exps before the barrier, both value
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
       // spilled)
       if (vt == 255) signal_item_done(prm, cx);
 #ifdef KDTREE_EXP_TRACE
-      __syncthreads();   // pairs with the score side's print barrier
+      sync_block_roles();   // pairs with the score side's print barrier
 #endif
     }
   }

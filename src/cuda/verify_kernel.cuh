@@ -618,10 +618,18 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int by
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Named barriers: `count` threads take part; bar.arrive does not wait (producer side).
+// Named barriers: `count` threads take part; bar.arrive does not wait (producer side). bar.sync is the aligned form
+// (barrier.sync.aligned): every thread that waits on one use of a barrier must execute that same instruction. Where
+// two roles of a warp-specialised kernel meet, one role therefore only arrives and the other waits; a barrier that
+// both must wait on from their own branches is the unaligned sync_block_roles. (Both roles waiting at bar.sync from
+// different instructions is undefined; compute-sanitizer's synccheck reports it as "Divergent thread(s) in block",
+// session 20.)
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// __syncthreads for roles that reach it from their own branches: barrier 0 of the whole block, unaligned (ptxas
+// puts a WARPSYNC before it).
+__device__ __forceinline__ void sync_block_roles() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -1149,9 +1157,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
       }
       if (kh == 0) {
         finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
-                    [] { bar_sync(kBarBlock, kThreads); });   // pairs with the value warps' epilogue barrier
+                    [] { bar_arrive(kBarBlock, kThreads); });   // the value warps' epilogue barrier (they wait)
       } else {
-        bar_sync(kBarBlock, kThreads);
+        bar_arrive(kBarBlock, kThreads);
       }
     } else {
       // =========================== value warps ===========================
@@ -1223,7 +1231,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         }
         if (vw == 0) KDTREE_TRACE(7);
       }
-      bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps
+      bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps (which only arrive)
 #pragma unroll
       for (int rb = 0; rb < kRowBlocks; ++rb) {
 #pragma unroll

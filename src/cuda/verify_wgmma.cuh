@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     uint32_t phase_bits = 0u, p_parity = 0u;
     for (int k = 0;; ++k) {
       if (tid == 0) sm.item = claim_item(prm, k);
-      __syncthreads();
+      sync_block_roles();
       const int item = sm.item;
       if (item >= total) {
         KDTREE_TIMELINE(2, 2);
@@ -540,8 +540,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         softmax_p();
         publish();
       }
-      finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l, [] { bar_sync(kBarBlock, kThreads); });
-      __syncthreads();   // the item's shared memory is consumed before the next item starts
+      finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l, [] { bar_arrive(kBarBlock, kThreads); });
+      sync_block_roles();   // the item's shared memory is consumed before the next item starts
       if (tid == 32) signal_item_done(prm, cx);   // every partial of the item is stored (not the claimer)
 #ifdef KDTREE_EXP_TRACE
       if (tid == 0 && blockIdx.x < 2) {
@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
                  sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4],
                  sm.trace[it][5], sm.trace[it][6], sm.trace[it][7]);
       }
-      __syncthreads();
+      sync_block_roles();
 #endif
     }
   } else {
@@ -561,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
     const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
     uint32_t phase_bits = 0u, p_parity = 0u, q_parity = 0u;
     for (;;) {
-      __syncthreads();   // pairs with the score WG's item fetch
+      sync_block_roles();   // pairs with the score WG's item fetch
       const int item = sm.item;
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kItemRows, kTileN>(prm, item);
@@ -623,11 +623,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
         if (warp == 4) KDTREE_WTRACE(7);
       }
       // every copy of the item has landed: the score WG waited on all of its tiles
-      bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG
+      bar_sync(kBarBlock, kThreads);   // row_m / row_l written by the score WG (which only arrives)
       store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
-      __syncthreads();
+      sync_block_roles();
 #ifdef KDTREE_EXP_TRACE
-      __syncthreads();   // pairs with the score WG's print barrier
+      sync_block_roles();   // pairs with the score WG's print barrier
 #endif
     }
   }
