@@ -90,14 +90,6 @@ constexpr int kMixedTileN = KDTREE_SKINNY_TILE;
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
-// Per-split readiness (session 19, opt-in, NOT RUN on a GPU): each split item releases its own counter (tile_done at
-// the partial row of its tile's first row in its split) instead of its tile's, and each combine thread waits for its
-// own splits, loading each one's partials as soon as that split is released, so that after a tile's last release
-// only the last split's loads remain (PERF_LOG next step 0). The sums stay in their fixed order (deterministic).
-#ifndef KDTREE_COMBINE_PER_SPLIT
-#define KDTREE_COMBINE_PER_SPLIT 0
-#endif
-constexpr bool kCombinePerSplit = KDTREE_COMBINE_PER_SPLIT;
 // Splits per thread per load batch of the combine (session 7: 8, 64 registers and 4 blocks per SM, was
 // faster than 16 at H128 N9 and B8, the same elsewhere).
 #ifndef KDTREE_COMBINE_BATCH
@@ -397,10 +389,6 @@ __device__ __forceinline__ void zero_tile_counters(const Params& prm, const ReqP
     const long long i = tile_done_index(rp, prm.heads, row0);
     prm.tile_done[i] = 0;
     prm.tile_seen[i] = 0;
-    if constexpr (kCombinePerSplit) {
-      const int ns = row_nsplit(rp, row0);
-      for (int sp = 1; sp < ns; ++sp) prm.tile_done[partial_index(rp, prm.heads, row0, sp)] = 0;
-    }
   }
 }
 
@@ -720,8 +708,7 @@ __device__ __forceinline__ ItemCtx item_ctx_rem(const Params& prm, int item) {
 // when done_arrivals is 0 (the combine then waits for the whole pass and reads no counter).
 __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCtx& cx) {
   if (row_nsplit(cx.rp, cx.row0) <= 1 || prm.done_arrivals == 0) return;
-  int* const done = prm.tile_done + (kCombinePerSplit ? partial_index(cx.rp, prm.heads, cx.row0, cx.split)
-                                                      : tile_done_index(cx.rp, prm.heads, cx.row0));
+  int* const done = prm.tile_done + tile_done_index(cx.rp, prm.heads, cx.row0);
   asm volatile("fence.acq_rel.gpu;\n"
                "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
 #ifdef KDTREE_EXP_TIMELINE
@@ -1376,13 +1363,12 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     const int slices = combine_slices(nsplit);
     if (slice >= slices) continue;                                                  // block-uniform
     KDTREE_WORK_STAMP(w, 0);
-    if (early) {   // the row tile's split items have all stored their partials (per split: waited for below)
+    if (early) {   // the row tile's split items have all stored their partials
       if (tid == 0) {
-        s_tile[0] = kCombinePerSplit ? tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r))
-                                     : wait_tile_done(prm, rp, r, nsplit);
+        s_tile[0] = wait_tile_done(prm, rp, r, nsplit);
         s_tile[1] = tile_works(prm, rp, r, slices);   // (for the end of the work, kept out of registers)
       }
-      if (!kCombinePerSplit) __syncthreads();
+      __syncthreads();
     }
     if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
     KDTREE_WORK_STAMP(w, 1);
@@ -1405,39 +1391,13 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     for (int base = grp; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
       float l[kCombineBatch];
       uint4 v[kCombineBatch];
-      if (kCombinePerSplit && early) {
-        // split sp's counter sits at its partial row of the tile's first row: flags[sp * rstride]. All the thread's
-        // counters are read at once (relaxed) and one fence makes those released acquired; then, in the fixed order,
-        // each split's loads are issued, a split not yet released first spun on (acquire) alone. After a tile's
-        // last release only the splits from the last one on are left to load.
-        const int* flags = prm.tile_done + tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
-        const int rs = (int)rstride;
-        int f[kCombineBatch];
 #pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) {
-          f[k] = prm.done_arrivals;   // (past nsplit: nothing to wait for)
-          if (base + k * groups < nsplit)
-            asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n"
-                         : "=r"(f[k]) : "l"(flags + (base + k * groups) * rs) : "memory");
-        }
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) {
-          const int sp = base + k * groups;
-          if (f[k] < prm.done_arrivals) spin_until_done(flags + sp * rs, prm.done_arrivals);
-          l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
-          v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
-                             : make_uint4(0, 0, 0, 0);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) {
-          const int sp = base + k * groups;
-          // (from L2: written by other SMs during this kernel when it started early)
-          l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
-          v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
-                             : make_uint4(0, 0, 0, 0);
-        }
+      for (int k = 0; k < kCombineBatch; ++k) {
+        const int sp = base + k * groups;
+        // (from L2: written by other SMs during this kernel when it started early)
+        l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
+        v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
+                           : make_uint4(0, 0, 0, 0);
       }
       float m_new = m_run;
 #pragma unroll
@@ -1488,12 +1448,9 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
     // s_tile: after its stores, so that the round trip delays only its own warp's next wait)
     if (early && tid == 0) {
-      // (per split, the index again rather than from s_tile: read back there, ptxas spilled 4 B at 64 registers)
-      const long long tile = kCombinePerSplit ? tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r)) : s_tile[0];
+      const long long tile = s_tile[0];
       if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
         prm.tile_done[tile] = 0;
-        if constexpr (kCombinePerSplit)   // every split's counter (split 0's is the tile's)
-          for (int sp = 1; sp < nsplit; ++sp) prm.tile_done[tile + (long long)sp * rstride] = 0;
         prm.tile_seen[tile] = 0;
       }
     }
