@@ -250,27 +250,58 @@ def test_non_default_stream():
     _check(out, args)
 
 
-def test_programmatic_launch_on_and_off_agree():
-    """The call's kernels chained by programmatic dependent launch (default on sm_90+) and launched
-    plainly (KDTREE_PDL=0, read once per process: a child process) give bit-identical results."""
+def _run_in_child(env_over, prefixes, heads, tokens, seed):
+    """_run on make_verify_batch(prefixes, heads, tokens, seed=seed) in a child process with env_over set (the
+    launcher reads its switches once per process); its output on the CPU."""
     code = (
         "import sys, torch, kdtree\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from test_kernel_gpu import _run\n"
         "from kdtree.synthetic import make_verify_batch\n"
-        "out, _ = _run(make_verify_batch([30000, 700], 16, 9, device='cuda', seed=41))\n"
+        f"out, _ = _run(make_verify_batch({prefixes!r}, {heads}, {tokens}, device='cuda', seed={seed}))\n"
         "torch.save(out.cpu(), sys.argv[2])\n"
     )
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "out.pt")
-        env = dict(os.environ, KDTREE_PDL="0")
         r = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), path],
-                           env=env, capture_output=True, text=True, timeout=300)
+                           env=dict(os.environ, **env_over), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
-        plain = torch.load(path)
+        return torch.load(path)
+
+
+def test_programmatic_launch_on_and_off_agree():
+    """The call's kernels chained by programmatic dependent launch (default on sm_90+) and launched
+    plainly (KDTREE_PDL=0, read once per process: a child process) give bit-identical results."""
+    plain = _run_in_child({"KDTREE_PDL": "0"}, [30000, 700], 16, 9, 41)
     out, args = _run(make_verify_batch([30000, 700], 16, 9, device="cuda", seed=41))
     _check(out, args)
     assert torch.equal(out.cpu(), plain), "KDTREE_PDL=0 and the default launch differ"
+
+
+@pytest.mark.parametrize("heads,tokens", [(16, 9), (5, 9), (128, 2)])
+def test_q_by_tma_and_by_copies_agree(heads, tokens):
+    """Where the split kernel loads q by TMA (the dual kernel on an H100 / H200, q rows evenly strided), the result
+    is bit-identical to its cp.async load (KDTREE_Q_TMA=0, a child process): the same rows reach shared memory,
+    whichever rows pad the last tile (zeros, or the next request's)."""
+    prefixes = [5000, 300, 0]
+    copied = _run_in_child({"KDTREE_Q_TMA": "0"}, prefixes, heads, tokens, 43)
+    out, args = _run(make_verify_batch(prefixes, heads, tokens, device="cuda", seed=43))
+    _check(out, args)
+    assert torch.equal(out.cpu(), copied), "q loaded by TMA and by cp.async give different results"
+
+
+def test_q_rows_not_evenly_strided():
+    """q_nope / q_pe whose token stride is not heads x head stride (here heads 0..15 of a 19-head buffer): no single
+    row stride, so the kernel copies q itself; the result still matches the reference."""
+    b = make_verify_batch([3000, 70], 16, 9, device="cuda", seed=47)
+    wide = torch.randn(b.q.shape[0], 19, 576, dtype=b.q.dtype, device=b.q.device)
+    wide[:, :16] = b.q
+    q_nope, q_pe = split_mla_q(wide[:, :16])
+    assert q_nope.stride(0) != 16 * q_nope.stride(1)
+    args = dict(b.verify_args(), q_nope=q_nope, q_pe=q_pe)
+    out = torch.full((b.q.shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device=b.q.device)
+    kdtree.verify_attention(**args, out=out)
+    _check(out, args)
 
 
 def test_sm120_pipeline_takes_its_32_row_shape_for_small_requests():

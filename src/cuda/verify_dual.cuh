@@ -80,6 +80,7 @@ struct Smem {
   unsigned long long q_full;          // q of the item landed: 256 score-thread arrivals (KDTREE_WG_Q_FIRST)
   unsigned long long l_full;          // score warpgroup 1's row sums stored: 128 arrivals
   unsigned long long item_full;       // the block's next work item stored: 1 arrival (release)
+  unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
@@ -91,8 +92,14 @@ static_assert(kStages % 2 == 0, "a buffer's tiles all belong to one score warpgr
 __device__ unsigned g_trace[32][8];
 #define KDTREE_DTRACE(e) \
   do { if (blockIdx.x == 0 && lane == 0 && t < 32) g_trace[t][e] = (unsigned)(clock64() - t_item); } while (0)
+// the start of block 0's first item, in SM clocks (session 20): score thread 0's item start, q copies issued, its q
+// landed, both score warpgroups' q landed; value thread 0's item start, tile 0 issued (after its slot ids), tiles
+// 0 .. kQFirst-1 issued, the whole ring issued (after q landed)
+__device__ long long g_start[8];
+#define KDTREE_DSTART(cond, e) do { if (blockIdx.x == 0 && k == 0 && (cond)) g_start[e] = clock64(); } while (0)
 #else
 #define KDTREE_DTRACE(e) do { } while (0)
+#define KDTREE_DSTART(cond, e) do { } while (0)
 #endif
 
 // Pair (KDTREE_SPLIT_KERNEL=pair, session 16): score warpgroup s owns the pair of 32-key buffers 2s, 2s + 1 and runs
@@ -156,7 +163,7 @@ constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
 template <bool Pair, bool SRefill>
-__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(Params prm) {
+__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
   static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -189,6 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
     mbar_init(&sm.q_full, 256);
     mbar_init(&sm.l_full, 128);
     mbar_init(&sm.item_full, 1);
+    mbar_init(&sm.q_land, 1);
     fence_proxy_async();
   }
   __syncthreads();
@@ -217,12 +225,31 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();   // just after the item fetch, as the value side's
 #endif
+      KDTREE_DSTART(tid == 0, 0);
 
       long long refill_slots[2] = {0, 0};   // SRefill: this thread's two keys of the warpgroup's next refill
 
-      // q of the item over the 256 score threads, all copies in flight at once
-      wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
-      if constexpr (SRefill) {   // then this warpgroup's first two tiles, s and s + 2
+      // q of the item: nine TMA boxes (64 rows x one 64-column slab each) from one thread (session 20: the 256 score
+      // threads' 4,608 16-byte copies took ~7,900 clocks to issue beside the value side's first tiles, history 134),
+      // or over the 256 score threads, all copies in flight at once
+      const bool q_tma = !SRefill && !Pair && prm.q_tma;   // (the opt-in Pair kernel spilled 120 B with it)
+      if (q_tma) {
+        if (tid == 0) {
+          mbar_arrive_expect_tx(&sm.q_land, kSlabs * kQSlabBytes);
+          const int y = cx.rp.qo_begin * H + cx.row0;   // the item's first row of the [T x H] rows
+#pragma unroll
+          for (int sl = 0; sl < kSlabs; ++sl)
+            tma_load_2d(&sm.q[sl * kQSlabBytes], &prm.q_map[sl == kSlabs - 1], sl == kSlabs - 1 ? 0 : sl * 64, y,
+                        &sm.q_land);
+        }
+      } else {
+        wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
+      }
+      KDTREE_DSTART(tid == 0, 1);
+      if (q_tma) {
+        mbar_wait(&sm.q_land, k & 1);   // (rows past the tensor's last are zeros; rows of the next request are
+                                        // padding rows here, computed and dropped like zero rows)
+      } else if constexpr (SRefill) {   // then this warpgroup's first two tiles, s and s + 2
         cp_async_commit();
         long long s0[2], s1[2];
         wg::tile_slots<2>(prm, cx, s, st, s0);
@@ -235,9 +262,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       } else {
         cp_async_wait_all();   // this thread's q copies (the score warpgroups issue no other cp.async)
       }
+      KDTREE_DSTART(tid == 0, 2);
       fence_proxy_async();   // read next by wgmma (the async proxy)
       if constexpr (!SRefill) mbar_arrive(&sm.q_full);   // the value warpgroups may ask for the rest of the ring
       bar_sync(kBarScore, 256);
+      KDTREE_DSTART(tid == 0, 3);
 
       float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
       float l_own[2] = {0.f, 0.f};
@@ -367,6 +396,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
       if (tid == 0 && blockIdx.x == 0) {
         __threadfence_block();
         printf("TRACE block 0 item %d tiles %d total %lld\n", item, nt, clock64() - t_item);
+        if (k == 0)
+          printf("TRACE block 0 item %d start | q issued %lld, q landed (thread 0) %lld, (all) %lld | value side: "
+                 "start %lld, tile 0 issued %lld, tiles < %d issued %lld, ring issued %lld\n", item,
+                 g_start[1] - g_start[0], g_start[2] - g_start[0], g_start[3] - g_start[0], g_start[4] - g_start[0],
+                 g_start[5] - g_start[0], kQFirst, g_start[6] - g_start[0], g_start[7] - g_start[0]);
         for (int t = 0; t < min(nt, 32); ++t)
           printf("TRACE block 0 item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u\n", item, t, g_trace[t][0],
                  g_trace[t][1], g_trace[t][2], g_trace[t][3], g_trace[t][4], g_trace[t][5], g_trace[t][6],
@@ -392,6 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();
 #endif
+      KDTREE_DSTART(vt == 0, 4);
 
       // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
       long long slot[1] = {0};
@@ -402,11 +437,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(P
 #pragma unroll
         for (int t = 0; t < kStages; ++t) {
           if (t == kQFirst) {   // the rest of the ring once q has landed
+            KDTREE_DSTART(vt == 0, 6);
             mbar_wait(&sm.q_full, q_parity);
             q_parity ^= 1u;
           }
           gather_tile<Pair, 1>(sm, prm, cx, t, t, vt, slots[t]);
+          if (t == 0) KDTREE_DSTART(vt == 0, 5);
         }
+        KDTREE_DSTART(vt == 0, 7);
         slot[0] = slots[kStages][0];
       }
 

@@ -226,6 +226,13 @@ struct Params {
   // NULL: tree_mask comes packed (or is NULL). Last in the struct: the other fields' parameter offsets stay as before.
   const uint8_t* pack_mask;
   const int64_t* pack_mask_indptr;
+  // TMA descriptors (CUtensorMap, 128 B each) of q_nope and q_pe as 2-D [num_tokens x heads rows, 512 | 64 columns]
+  // bf16 tensors with 64 x 64 boxes and the 128-byte swizzle of the q slabs, for the dual kernel's q load (session
+  // 20); q_tma = 0 when the host did not build them (another kernel, q rows not evenly strided, KDTREE_Q_TMA=0).
+  // The kernel passes their parameter-space addresses to cp.async.bulk.tensor (__grid_constant__).
+  struct alignas(64) TmaMap { unsigned long long w[16]; };
+  TmaMap q_map[2];
+  int q_tma;
 };
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
@@ -602,6 +609,13 @@ __device__ __forceinline__ void mbar_wait_buffer(unsigned long long* bars, uint3
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int bytes, unsigned long long* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+// A 2-D TMA tensor copy global -> shared of the box at (x, y) of the tensor map at generic address `map` (a
+// __grid_constant__ kernel parameter), completing on `bar` with its bytes (mbarrier complete_tx).
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, int y, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+               ::"r"(smem_u32(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_u32(bar))
                : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -1,5 +1,6 @@
 // verify_launch.cu: the extern "C" entry points: validate -> plan -> split pass -> combine -> status.
 // Nothing here allocates, synchronises with the host, throws or prints.
+#include <cuda.h>   // CUtensorMap and its encoder's types (the encoder itself comes through the runtime: no -lcuda)
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdlib.h>
@@ -153,6 +154,7 @@ struct DeviceInfo {
   bool mixed;        // kMixed calls (a last row tile of <= 16 rows as skinny items)
   int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a mixed call, or -1 (unset: the model's)
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
+  bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
 };
 
 bool env_is(const char* name, const char* value) {
@@ -228,7 +230,8 @@ DeviceInfo device_info(int dev, int* status) {
     const char* mixed_sms = getenv("KDTREE_MIXED_SMS");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed,
-                           mixed_sms ? std::max(atoi(mixed_sms), 0) : -1, !env_is("KDTREE_EARLY_COMBINE", "0")};
+                           mixed_sms ? std::max(atoi(mixed_sms), 0) : -1, !env_is("KDTREE_EARLY_COMBINE", "0"),
+                           !env_is("KDTREE_Q_TMA", "0")};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -345,6 +348,57 @@ cudaError_t launch_pack(const uint8_t* custom_mask, const int64_t* mask_indptr, 
     if (e_ != cudaSuccess) return (int)e_; \
   } while (0)
 
+// The dual kernel's q tensor maps (Params::q_map, session 20): q_nope and q_pe as 2-D bf16 tensors of T x H rows
+// (512 and 64 columns) with 64 x 64 boxes in the q slabs' 128-byte swizzle. Built where every row of q is one stride
+// after the previous (a token's stride H head strides, or one head, or one token); otherwise, or without the driver's
+// encoder, q_tma stays 0 and the kernel copies q with cp.async as before. Encoding is host work on the call's own
+// values: no device call, no synchronisation.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled tensor_map_encoder() {
+  static EncodeTiled fn = nullptr;   // (benign race: the same pointer from every thread)
+  static bool looked = false;
+  if (!looked) {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(f);
+    else
+      cudaGetLastError();
+    looked = true;
+  }
+  return fn;
+}
+static_assert(sizeof(Params::TmaMap) == sizeof(CUtensorMap), "a TMA descriptor is 128 bytes");
+bool encode_q_map(EncodeTiled enc, Params::TmaMap* map, const void* base, long long rows, int cols,
+                  long long row_stride) {
+  if (row_stride * 2 % 16 != 0 || rows < 1 || rows >= (1ll << 31)) return false;
+  const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  const cuuint64_t stride[1] = {(cuuint64_t)row_stride * 2};   // bytes from one row to the next
+  const cuuint32_t box[2] = {64, (cuuint32_t)kdtree::dual::kBlockM};
+  const cuuint32_t elem[2] = {1, 1};
+  return enc(reinterpret_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dim,
+             stride, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+// One row stride for all T x H rows of q, or 0 when there is none.
+long long uniform_row_stride(long long st, long long sh, int tokens, int heads) {
+  if (heads == 1) return st;
+  if (tokens == 1 || st == heads * sh) return sh;
+  return 0;
+}
+bool build_q_maps(Params& prm, const kdtree_verify_params* p) {
+  const EncodeTiled enc = tensor_map_encoder();
+  if (!enc) return false;
+  const long long rows = (long long)p->num_tokens * p->num_heads;
+  const long long sn = uniform_row_stride(p->q_nope_stride_t, p->q_nope_stride_h, p->num_tokens, p->num_heads);
+  const long long sp = uniform_row_stride(p->q_pe_stride_t, p->q_pe_stride_h, p->num_tokens, p->num_heads);
+  return sn > 0 && sp > 0 && encode_q_map(enc, &prm.q_map[0], p->q_nope, rows, KDTREE_HEAD_DIM_NOPE, sn) &&
+         encode_q_map(enc, &prm.q_map[1], p->q_pe, rows, KDTREE_HEAD_DIM_PE, sp);
+}
+
 }  // namespace
 
 extern "C" {
@@ -441,6 +495,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
+  prm.q_tma = dev.q_tma && is_dual(call == kMixed ? kDual : call) && build_q_maps(prm, p);
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
