@@ -155,8 +155,7 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
 #endif
 constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 // The item's O rows out through shared memory, 16 B per lane (wg::store_o_rows_staged; session 18); 0: session 17's
-// 4-byte stores from the accumulators; 2: each warp copies out its own 16 rows after a __syncwarp (no barrier over
-// the value warpgroups; session 19, measured in the A/B of its call 2).
+// 4-byte stores from the accumulators.
 #ifndef KDTREE_DUAL_STAGED_STORE
 #define KDTREE_DUAL_STAGED_STORE 1
 #endif
@@ -510,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // before its P, which the value side consumed), no copy is in flight (none past the item's last tile), and the
       // next item's copies start after the closing barrier
 #if KDTREE_DUAL_STAGED_STORE
-      wg::store_o_rows_staged<KDTREE_DUAL_STAGED_STORE == 2>(prm, cx, wrow, lane, v, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarValues, kValueThreads);
+      wg::store_o_rows_staged(prm, cx, wrow, lane, v, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarValues, kValueThreads);
 #else
       wg::store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
 #endif

@@ -348,8 +348,8 @@ __device__ __forceinline__ void store_o_rows(const Params& prm, const ItemCtx& c
 // 512 contiguous bytes per store instruction. store_o_rows's 4-byte stores put 8 rows into every instruction, each
 // half a 32-byte sector: 64 KB of partials cost an item ~3.6 us before its release (timeline, history 120).
 // Layout: stage_chunk (verify_kernel.cuh). `bar_id` / `bar_count`: a barrier over the threads that stage (both value
-// warpgroups). PerWarp: each warp copies out only the 16 rows it staged, after a __syncwarp instead of the barrier.
-template <bool PerWarp = false>
+// warpgroups). (Each warp copying out only its own 16 rows after a __syncwarp, no barrier, was no faster: session 19,
+// history 125; removed.)
 __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const ItemCtx& cx, int wrow, int lane, int v,
                                                     const float (&o)[128], const float* row_l, uint32_t stage,
                                                     int bar_id, int bar_count) {
@@ -372,18 +372,10 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
     }
     stmatrix_x4(stage_chunk(stage, wrow + 8 * (mi & 1) + mr, 32 * v + j + (mi >> 1)), r);
   }
-  if constexpr (PerWarp) {
-    __syncwarp();
-    const int r1 = min(wrow + 16, cx.rows);
-    for (int r = wrow; r < r1; ++r) {
-      *reinterpret_cast<uint4*>(result_row(prm, cx, r) + 256 * v + 8 * lane) = ld_shared_v4(stage_chunk(stage, r, 32 * v + lane));
-    }
-  } else {
-    bar_sync(bar_id, bar_count);
-    const int wv = (wrow >> 4);   // the warp within its warpgroup: rows wv, wv + 4, ...
-    for (int r = wv; r < cx.rows; r += 4) {
-      *reinterpret_cast<uint4*>(result_row(prm, cx, r) + 256 * v + 8 * lane) = ld_shared_v4(stage_chunk(stage, r, 32 * v + lane));
-    }
+  bar_sync(bar_id, bar_count);
+  const int wv = (wrow >> 4);   // the warp within its warpgroup: rows wv, wv + 4, ...
+  for (int r = wv; r < cx.rows; r += 4) {
+    *reinterpret_cast<uint4*>(result_row(prm, cx, r) + 256 * v + 8 * lane) = ld_shared_v4(stage_chunk(stage, r, 32 * v + lane));
   }
 }
 
