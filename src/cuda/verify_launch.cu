@@ -372,9 +372,9 @@ EncodeTiled tensor_map_encoder() {
   return fn;
 }
 static_assert(sizeof(Params::TmaMap) == sizeof(CUtensorMap), "a TMA descriptor is 128 bytes");
+// (validate has made base and row_stride 16-byte multiples and rows < 2^30, as TMA needs)
 bool encode_q_map(EncodeTiled enc, Params::TmaMap* map, const void* base, long long rows, int cols,
                   long long row_stride) {
-  if (row_stride * 2 % 16 != 0 || rows < 1 || rows >= (1ll << 31)) return false;
   const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
   const cuuint64_t stride[1] = {(cuuint64_t)row_stride * 2};   // bytes from one row to the next
   const cuuint32_t box[2] = {64, (cuuint32_t)kdtree::dual::kBlockM};
@@ -495,7 +495,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  prm.q_tma = dev.q_tma && is_dual(call == kMixed ? kDual : call) && build_q_maps(prm, p);
+  // (the default dual kernel, alone or in a mixed call, is the one that reads them; pair and srefill copy q)
+  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed) && build_q_maps(prm, p);
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
