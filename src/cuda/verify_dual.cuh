@@ -64,6 +64,17 @@ constexpr int kBarPFull = 2;    // + s: score warpgroup s arrives, the value war
 constexpr int kBarValues = 4;   // the two value warpgroups: the key tile consumed, may refill
 constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
 
+// Experiment switch (session 21): the two score warpgroups' S one after the other instead of overlapped. The trace of
+// an item's start (history 136) has S (0) and S (1), issued together, done after ~3,550 clocks each, where one S alone
+// takes ~1,100 (history 91). 1: S (u) waits for m_full of step u - 1 (its S and row maxima done); 2: for s_done of step
+// u - 1 (its S done, arrived right after its wgmma wait); 3: as 2 for S (1) only (an item's first two S in turn, the rest
+// overlapped). 0: overlapped (default).
+#ifndef KDTREE_DUAL_S_SERIAL
+#define KDTREE_DUAL_S_SERIAL 0
+#endif
+constexpr int kSSerial = KDTREE_DUAL_S_SERIAL;
+static_assert(kSSerial >= 0 && kSSerial <= 3, "KDTREE_DUAL_S_SERIAL: 0 .. 3");
+
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
   unsigned char kv[kStages][kTileBytes];   // 147,456
@@ -82,6 +93,7 @@ struct Smem {
   unsigned long long item_full;       // the block's next work item stored: 1 arrival (release)
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
+  unsigned long long s_done[2];       // KDTREE_DUAL_S_SERIAL >= 2: S of score warpgroup s's latest step done: 128 arrivals
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -191,6 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       mbar_init(&sm.p_full[i], 128);
       mbar_init(&sm.p_empty[i], kValueThreads);
       mbar_init(&sm.m_full[i], 128);
+      if constexpr (kSSerial >= 2) mbar_init(&sm.s_done[i], 128);
     }
     mbar_init(&sm.q_full, 256);
     mbar_init(&sm.l_full, 128);
@@ -205,6 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
+    uint32_t sd_parity = 0u;   // KDTREE_DUAL_S_SERIAL=2, 3
     uint32_t empty_bits = 0u;   // SRefill
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
@@ -292,6 +306,20 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           mbar_wait_buffer(sm.full, full_bits, t % kStages);   // every value thread's copies landed
         }
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
+        float m_prev[2] = {-INFINITY, -INFINITY};   // m of step u - 1, from the other score warpgroup
+        if constexpr (kSSerial == 1) {   // (experiment) S after the step before's S and maxima
+          if (u > 0) {
+            mbar_wait(&sm.m_full[1 - s], mf_parity);
+            mf_parity ^= 1u;
+            m_prev[0] = sm.m[1 - s][wrow + g];
+            m_prev[1] = sm.m[1 - s][wrow + g + 8];
+          }
+        } else if constexpr (kSSerial >= 2) {   // (experiment) S after the step before's S
+          if (kSSerial == 2 ? u > 0 : u == 1) {
+            mbar_wait(&sm.s_done[1 - s], sd_parity);
+            sd_parity ^= 1u;
+          }
+        }
         {
           const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
           wg::wg_fence();
@@ -308,13 +336,16 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           if constexpr (SRefill && kSRefillAfterS) refill_own();
           wg::wg_wait0();
         }
+        if constexpr (kSSerial >= 2) {
+          if (kSSerial == 2 ? u + 1 < nu : u == 0 && nu > 1) mbar_arrive(&sm.s_done[s]);   // the other's next S may start
+        }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
         scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
         // the running maxima: m of the step before from the other score warpgroup, this step's published at once
         // (before P)
-        float m_run[2] = {-INFINITY, -INFINITY};
-        if (u > 0) {
+        float m_run[2] = {m_prev[0], m_prev[1]};
+        if (kSSerial != 1 && u > 0) {
           mbar_wait(&sm.m_full[1 - s], mf_parity);
           mf_parity ^= 1u;
           m_run[0] = sm.m[1 - s][wrow + g];
