@@ -25,11 +25,23 @@ step "builds: default and ${#variants[@]} variant(s), side by side"
 for i in "${!variants[@]}"; do
   flags=""
   for d in ${variants[$i]//+/ }; do flags="$flags -D$d"; done
+  rm -rf "/tmp/kd_ab$i"
   ( python3 -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/kd_ab$i" . -C "build-dir=/tmp/build_ab$i" \
       -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/ab_build_$i.log" 2>&1
     echo "variant $i (${variants[$i]}) build rc=$?" ) &
 done
 wait
+grep -q "built and installed" "$OUT/ab_build_default.log" || { echo "the default build failed:"; tail -20 "$OUT/ab_build_default.log"; exit 1; }
+# a variant whose build failed would import the default's installed kdtree from its PYTHONPATH: check where each
+# variant's import comes from, and stop rather than time the default twice under another name
+for i in "${!variants[@]}"; do
+  where=$(cd /tmp && PYTHONPATH=/tmp/kd_ab$i python3 -c "import kdtree._verify as v; print(v.__file__)" 2>&1 | tail -1)
+  case "$where" in
+    /tmp/kd_ab$i/*) ;;
+    *) echo "variant $i (${variants[$i]}) did not build into /tmp/kd_ab$i (import: $where); see $OUT/ab_build_$i.log"
+       tail -20 "$OUT/ab_build_$i.log"; exit 1 ;;
+  esac
+done
 
 if [ "${KDTREE_AB_TESTS:-1}" = 1 ]; then
   step "kernel tests of every variant (in parallel)"
