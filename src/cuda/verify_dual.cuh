@@ -93,7 +93,9 @@ struct Smem {
   unsigned long long item_full;       // the block's next work item stored: 1 arrival (release)
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
-  unsigned long long s_done[2];       // KDTREE_DUAL_S_SERIAL >= 2: S of score warpgroup s's latest step done: 128 arrivals
+#if KDTREE_DUAL_S_SERIAL >= 2   // (not in the default build: its shared memory and launch stay as they were)
+  unsigned long long s_done[2];       // S of score warpgroup s's latest step done: 128 arrivals
+#endif
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -203,7 +205,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       mbar_init(&sm.p_full[i], 128);
       mbar_init(&sm.p_empty[i], kValueThreads);
       mbar_init(&sm.m_full[i], 128);
-      if constexpr (kSSerial >= 2) mbar_init(&sm.s_done[i], 128);
+#if KDTREE_DUAL_S_SERIAL >= 2
+      mbar_init(&sm.s_done[i], 128);
+#endif
     }
     mbar_init(&sm.q_full, 256);
     mbar_init(&sm.l_full, 128);
@@ -218,7 +222,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
-    uint32_t sd_parity = 0u;   // KDTREE_DUAL_S_SERIAL=2, 3
+#if KDTREE_DUAL_S_SERIAL >= 2
+    uint32_t sd_parity = 0u;   // s_done's parity
+#endif
     uint32_t empty_bits = 0u;   // SRefill
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
@@ -315,10 +321,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
             m_prev[1] = sm.m[1 - s][wrow + g + 8];
           }
         } else if constexpr (kSSerial >= 2) {   // (experiment) S after the step before's S
+#if KDTREE_DUAL_S_SERIAL >= 2
           if (kSSerial == 2 ? u > 0 : u == 1) {
             mbar_wait(&sm.s_done[1 - s], sd_parity);
             sd_parity ^= 1u;
           }
+#endif
         }
         {
           const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
@@ -337,7 +345,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           wg::wg_wait0();
         }
         if constexpr (kSSerial >= 2) {
+#if KDTREE_DUAL_S_SERIAL >= 2
           if (kSSerial == 2 ? u + 1 < nu : u == 0 && nu > 1) mbar_arrive(&sm.s_done[s]);   // the other's next S may start
+#endif
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
