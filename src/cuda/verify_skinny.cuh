@@ -149,11 +149,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         KDTREE_TIMELINE(2, 2);   // (the consumer's last stores are issued)
         break;
       }
+      KDTREE_SKSTART(k == 0 && tid == 0, 0);
       const ItemCtx cx = Rem ? item_ctx_rem(prm, item) : item_ctx<kRows, kTileN>(prm, item);
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads);
+      KDTREE_SKSTART(k == 0 && tid == 0, 1);
       cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
       bar_sync(kBarConsumer, kConsumerThreads);
+      KDTREE_SKSTART(k == 0 && tid == 0, 2);
 
       int rn[4];   // verify token of each of the thread's four columns (-1: a padding row)
 #pragma unroll
@@ -181,10 +184,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         }
         const int b = seq % kStages;
         mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
+        KDTREE_SKSTART(k == 0 && tid == 0 && t == 0, 3);
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         const uint32_t kv = smem_u32(&sm.kv[b][0]);
         float s[8];
         km::scores_t<kRows, kSlabBytes, kQSlabBytes>(s, kv, qd);
+        KDTREE_SKSTART(k == 0 && tid == 0 && t == 0, 4);
         // scale to log2 units, mask (a tile of prefix keys inside the split needs none), column maxima
         const int key_base = tcx.k0;
         const bool plain = key_base + kTileN <= tcx.k1 && key_base + kTileN <= cx.rp.p;
@@ -277,6 +282,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         bar_sync(kBarConsumer, kConsumerThreads);   // every partial of the item is stored
         if (tid == 0) signal_item_done(prm, cx);
       }
+#ifdef KDTREE_EXP_TRACE
+      KDTREE_SKSTART(k == 0 && tid == 0, 5);
+      if (blockIdx.x == 0 && k == 0 && tid == 0) {   // every stamp of the item's start was written long before
+        volatile long long* const st = km::g_sk_start;
+        const long long t0 = min(st[0], st[6]);
+        printf("TRACE block 0 skinny item %d tiles %d | consumer: fetched %lld, q issued %lld, q landed %lld, tile 0 "
+               "landed %lld, its S^T done %lld, item end %lld | producer: fetched %lld, tile 0 issued %lld, tile 1 "
+               "issued %lld\n", item, cx.ntiles, st[0] - t0, st[1] - t0, st[2] - t0, st[3] - t0, st[4] - t0,
+               st[5] - t0, st[6] - t0, st[7] - t0, st[8] - t0);
+      }
+#endif
       // (stage, lred and the row statistics are written again only after the next item's barriers)
     }
   } else {

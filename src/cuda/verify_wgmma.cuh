@@ -731,6 +731,15 @@ __device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv
 // threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
 // per key every sector crossed from L2 twice, history 95); it waits for a buffer's release on sm.empty, announces each
 // tile on sm.full once its copies have landed, and runs on into the next item (fetch_item) while the others end theirs.
+#ifdef KDTREE_EXP_TRACE   // profiling aid (session 21): the start of block 0's first item in the kernels whose keys come
+// from key_producer (skinny, trans), SM clocks: the consumer's item fetched, q issued, q landed, tile 0 landed, tile
+// 0's S^T done, the item's end; the producer's item fetched, tile 0 issued, tile 1 issued
+__device__ volatile long long g_sk_start[9];
+#define KDTREE_SKSTART(cond, e) do { if (blockIdx.x == 0 && (cond)) ::kdtree::km::g_sk_start[e] = clock64(); } while (0)
+#else
+#define KDTREE_SKSTART(cond, e) do { } while (0)
+#endif
+
 template <int Rows, int TileN, int Stages, int Threads, bool Rem = false, class SmemT, class Fetch>
 __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int pt, int total, Fetch fetch_item) {
   constexpr int kKeysPerPass = Threads / 8;
@@ -745,6 +754,7 @@ __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int p
       cp_async_wait_all();   // no thread leaves with copies in flight (the consumers still wait on them)
       return;
     }
+    KDTREE_SKSTART(k == 0 && pt == 0, 6);
     const ItemCtx cx = Rem ? item_ctx_rem(prm, item) : item_ctx<Rows, TileN>(prm, item);
     // tile t of the item as a one-tile context (a remainder item's cells: rem_tile; empty ones are skipped by both
     // sides alike)
@@ -786,6 +796,7 @@ __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int p
       for (int r = 0; r < kPasses; ++r)
         wg::copy_key_chunks<TileN>(smem_u32(&sm.kv[b][0]), prm, tc, tt, kq + r * kKeysPerPass, cc, slot[r]);
       wg::arrive_when_landed(&sm.full[b]);
+      KDTREE_SKSTART(k == 0 && pt == 0 && seq < 2, 7 + (int)seq);
 #pragma unroll
       for (int r = 0; r < kPasses; ++r) slot[r] = next[r];
       t = tn;
