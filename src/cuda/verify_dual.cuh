@@ -320,14 +320,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
             m_prev[0] = sm.m[1 - s][wrow + g];
             m_prev[1] = sm.m[1 - s][wrow + g + 8];
           }
-        } else if constexpr (kSSerial >= 2) {   // (experiment) S after the step before's S
-#if KDTREE_DUAL_S_SERIAL >= 2
-          if (kSSerial == 2 ? u > 0 : u == 1) {
-            mbar_wait(&sm.s_done[1 - s], sd_parity);
-            sd_parity ^= 1u;
-          }
-#endif
         }
+#if KDTREE_DUAL_S_SERIAL >= 2
+        if (kSSerial == 2 ? u > 0 : u == 1) {   // (experiment) S after the step before's S
+          mbar_wait(&sm.s_done[1 - s], sd_parity);
+          sd_parity ^= 1u;
+        }
+#endif
         {
           const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
           wg::wg_fence();
@@ -344,11 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           if constexpr (SRefill && kSRefillAfterS) refill_own();
           wg::wg_wait0();
         }
-        if constexpr (kSSerial >= 2) {
 #if KDTREE_DUAL_S_SERIAL >= 2
-          if (kSSerial == 2 ? u + 1 < nu : u == 0 && nu > 1) mbar_arrive(&sm.s_done[s]);   // the other's next S may start
+        if (kSSerial == 2 ? u + 1 < nu : u == 0 && nu > 1) mbar_arrive(&sm.s_done[s]);   // the other's next S may start
 #endif
-        }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
         scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);

@@ -726,11 +726,6 @@ __device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv
   wg::wg_wait0();
 }
 
-// The producer of a kernel with the keys as the wgmma M: thread pt of Threads (whole warpgroups) gathers its share of
-// every tile of the block's items (Rows-row items of TileN-key tiles) into the ring of Stages key buffers sm.kv, eight
-// threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
-// per key every sector crossed from L2 twice, history 95); it waits for a buffer's release on sm.empty, announces each
-// tile on sm.full once its copies have landed, and runs on into the next item (fetch_item) while the others end theirs.
 #ifdef KDTREE_EXP_TRACE   // profiling aid (session 21): the start of block 0's first item in the kernels whose keys come
 // from key_producer (skinny, trans), SM clocks: the consumer's item fetched, q issued, q landed, tile 0 landed, tile
 // 0's S^T done, the item's end; the producer's item fetched, tile 0 issued, tile 1 issued
@@ -740,6 +735,11 @@ __device__ volatile long long g_sk_start[9];
 #define KDTREE_SKSTART(cond, e) do { } while (0)
 #endif
 
+// The producer of a kernel with the keys as the wgmma M: thread pt of Threads (whole warpgroups) gathers its share of
+// every tile of the block's items (Rows-row items of TileN-key tiles) into the ring of Stages key buffers sm.kv, eight
+// threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
+// per key every sector crossed from L2 twice, history 95); it waits for a buffer's release on sm.empty, announces each
+// tile on sm.full once its copies have landed, and runs on into the next item (fetch_item) while the others end theirs.
 template <int Rows, int TileN, int Stages, int Threads, bool Rem = false, class SmemT, class Fetch>
 __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int pt, int total, Fetch fetch_item) {
   constexpr int kKeysPerPass = Threads / 8;
