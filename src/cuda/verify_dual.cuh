@@ -68,9 +68,11 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 // an item's start (history 136) has S (0) and S (1), issued together, done after ~3,550 clocks each, where one S alone
 // takes ~1,100 (history 91). 1: S (u) waits for m_full of step u - 1 (its S and row maxima done); 2: for s_done of step
 // u - 1 (its S done, arrived right after its wgmma wait); 3: as 2 for S (1) only (an item's first two S in turn, the rest
-// overlapped). 0: overlapped (default).
+// overlapped); 0: overlapped (sessions 9-21). Measured (H200, session 22, A/B within one run, means of two): 1 is
+// -1.4 to -2.5% at P131072 (H16 N9 126.6 against 128.6 us, H8 N9 94.0 / 95.3, H128 N9 P32768 185.9 / 190.6), 2 and 3
+// -0.4 to -1.0%; the default since session 22.
 #ifndef KDTREE_DUAL_S_SERIAL
-#define KDTREE_DUAL_S_SERIAL 0
+#define KDTREE_DUAL_S_SERIAL 1
 #endif
 constexpr int kSSerial = KDTREE_DUAL_S_SERIAL;
 static_assert(kSSerial >= 0 && kSSerial <= 3, "KDTREE_DUAL_S_SERIAL: 0 .. 3");
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         float m_prev[2] = {-INFINITY, -INFINITY};   // m of step u - 1, from the other score warpgroup
-        if constexpr (kSSerial == 1) {   // (experiment) S after the step before's S and maxima
+        if constexpr (kSSerial == 1) {   // S after the step before's S and maxima (the default)
           if (u > 0) {
             mbar_wait(&sm.m_full[1 - s], mf_parity);
             mf_parity ^= 1u;
