@@ -87,4 +87,6 @@ for s in shapes:
     cells = [f"{mean(k, s):.1f} ({100 * (mean(k, s) / d - 1):+.1f}%)" for k in runs if k != "default"]
     print(f"| {s} | {d:.1f} | " + " | ".join(cells) + " |")
 PY
+# the device tool brings back only a handful of files: the runs' JSON and logs travel as one archive
+(cd "$OUT" && tar czf ab_logs.tgz ab_*.json ab_*.log && rm -f ab_*.json ab_*.log)
 step done
