@@ -70,12 +70,13 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 // u - 1 (its S done, arrived right after its wgmma wait); 3: as 2 for S (1) only (an item's first two S in turn, the rest
 // overlapped); 0: overlapped (sessions 9-21). Measured (H200, session 22, A/B within one run, means of two): 1 is
 // -1.4 to -2.5% at P131072 (H16 N9 126.6 against 128.6 us, H8 N9 94.0 / 95.3, H128 N9 P32768 185.9 / 190.6), 2 and 3
-// -0.4 to -1.0%; the default since session 22.
+// -0.4 to -1.0%; the default since session 22. 4 (session 22, an experiment): as 1, and S (u) also waits for P of step
+// u - 1 published (p_full), so that S runs only beside the other score warpgroup's P V, never beside its softmax.
 #ifndef KDTREE_DUAL_S_SERIAL
 #define KDTREE_DUAL_S_SERIAL 1
 #endif
 constexpr int kSSerial = KDTREE_DUAL_S_SERIAL;
-static_assert(kSSerial >= 0 && kSSerial <= 3, "KDTREE_DUAL_S_SERIAL: 0 .. 3");
+static_assert(kSSerial >= 0 && kSSerial <= 4, "KDTREE_DUAL_S_SERIAL: 0 .. 4");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -224,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
+    uint32_t pf_parity = 0u;   // KDTREE_DUAL_S_SERIAL=4: the other score warpgroup's p_full
 #if KDTREE_DUAL_S_SERIAL >= 2
     uint32_t sd_parity = 0u;   // s_done's parity
 #endif
@@ -315,8 +317,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         float m_prev[2] = {-INFINITY, -INFINITY};   // m of step u - 1, from the other score warpgroup
-        if constexpr (kSSerial == 1) {   // S after the step before's S and maxima (the default)
+        if constexpr (kSSerial == 1 || kSSerial == 4) {   // S after the step before's S and maxima (the default)
           if (u > 0) {
+            if constexpr (kSSerial == 4) {   // (experiment) and after its P
+              mbar_wait(&sm.p_full[1 - s], pf_parity);
+              pf_parity ^= 1u;
+            }
             mbar_wait(&sm.m_full[1 - s], mf_parity);
             mf_parity ^= 1u;
             m_prev[0] = sm.m[1 - s][wrow + g];
@@ -354,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         // the running maxima: m of the step before from the other score warpgroup, this step's published at once
         // (before P)
         float m_run[2] = {m_prev[0], m_prev[1]};
-        if (kSSerial != 1 && u > 0) {
+        if (kSSerial != 1 && kSSerial != 4 && u > 0) {
           mbar_wait(&sm.m_full[1 - s], mf_parity);
           mf_parity ^= 1u;
           m_run[0] = sm.m[1 - s][wrow + g];
