@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
-    uint32_t pf_parity = 0u;   // KDTREE_DUAL_S_SERIAL=4: the other score warpgroup's p_full
+    uint32_t pf_base = 0u;   // KDTREE_DUAL_S_SERIAL=4: the parity of the other score warpgroup's p_full at an item's start
 #if KDTREE_DUAL_S_SERIAL >= 2
     uint32_t sd_parity = 0u;   // s_done's parity
 #endif
@@ -296,6 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       constexpr int kGroups = Ring<Pair>::kStepTiles * kTileN / 8;
       float sc[4 * kGroups];
       const int nu = Ring<Pair>::steps(nt);   // score steps of the item; this warpgroup's: u = s, s + 2, ...
+      uint32_t pf_parity = pf_base;   // (S_SERIAL=4: the other's last step of an item may go unwaited)
+      pf_base ^= ((nu + s) >> 1) & 1u;   // the other warpgroup's steps in the item: p_full phases completed
       for (int u = s; u < nu; u += 2) {
         const int t = u * Ring<Pair>::kStepTiles;   // the step's first tile
         // SRefill: tile t + 2 into the buffer of tile t - 2, once P V (t - 2) is done (tiles s and s + 2 came with q);
