@@ -64,19 +64,18 @@ constexpr int kBarPFull = 2;    // + s: score warpgroup s arrives, the value war
 constexpr int kBarValues = 4;   // the two value warpgroups: the key tile consumed, may refill
 constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
 
-// Experiment switch (session 21): the two score warpgroups' S one after the other instead of overlapped. The trace of
-// an item's start (history 136) has S (0) and S (1), issued together, done after ~3,550 clocks each, where one S alone
-// takes ~1,100 (history 91). 1: S (u) waits for m_full of step u - 1 (its S and row maxima done); 2: for s_done of step
-// u - 1 (its S done, arrived right after its wgmma wait); 3: as 2 for S (1) only (an item's first two S in turn, the rest
-// overlapped); 0: overlapped (sessions 9-21). Measured (H200, session 22, A/B within one run, means of two): 1 is
-// -1.4 to -2.5% at P131072 (H16 N9 126.6 against 128.6 us, H8 N9 94.0 / 95.3, H128 N9 P32768 185.9 / 190.6), 2 and 3
-// -0.4 to -1.0%; the default since session 22. 4 (session 22, an experiment): as 1, and S (u) also waits for P of step
-// u - 1 published (p_full), so that S runs only beside the other score warpgroup's P V, never beside its softmax.
+// The two score warpgroups' S in turn (session 22): S (u) is issued once the other warpgroup's step u - 1 has its S and
+// row maxima (m_full), instead of both S overlapped (0, sessions 9-21; kept as the switch's other value for A/Bs).
+// Measured (H200, session 22, A/B within one run, means of two; PERF_LOG history 139-141): -1.6 to -2.4% on the long
+// shapes (H16 N9 P131072 127.2 against 129.9 us, P185000 168.7 / 172.7, H128 N9 P32768 186.4 / 190.8, B8 274.7 /
+// 279.7), P8192 unchanged. Measured and removed (commits ee3fc9b, 22060ef): S after the other's S alone (an mbarrier
+// arrived after its wgmma wait), every step or only an item's first two: -0.4 to -1.0% against 0; S after the other's
+// P as well (p_full): 14-19% slower.
 #ifndef KDTREE_DUAL_S_SERIAL
 #define KDTREE_DUAL_S_SERIAL 1
 #endif
-constexpr int kSSerial = KDTREE_DUAL_S_SERIAL;
-static_assert(kSSerial >= 0 && kSSerial <= 4, "KDTREE_DUAL_S_SERIAL: 0 .. 4");
+constexpr bool kSSerial = KDTREE_DUAL_S_SERIAL;
+static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DUAL_S_SERIAL: 0 or 1");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -96,9 +95,6 @@ struct Smem {
   unsigned long long item_full;       // the block's next work item stored: 1 arrival (release)
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
-#if KDTREE_DUAL_S_SERIAL >= 2   // (not in the default build: its shared memory and launch stay as they were)
-  unsigned long long s_done[2];       // S of score warpgroup s's latest step done: 128 arrivals
-#endif
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -208,9 +204,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       mbar_init(&sm.p_full[i], 128);
       mbar_init(&sm.p_empty[i], kValueThreads);
       mbar_init(&sm.m_full[i], 128);
-#if KDTREE_DUAL_S_SERIAL >= 2
-      mbar_init(&sm.s_done[i], 128);
-#endif
     }
     mbar_init(&sm.q_full, 256);
     mbar_init(&sm.l_full, 128);
@@ -225,10 +218,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
-    uint32_t pf_base = 0u;   // KDTREE_DUAL_S_SERIAL=4: the parity of the other score warpgroup's p_full at an item's start
-#if KDTREE_DUAL_S_SERIAL >= 2
-    uint32_t sd_parity = 0u;   // s_done's parity
-#endif
     uint32_t empty_bits = 0u;   // SRefill
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
@@ -296,8 +285,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       constexpr int kGroups = Ring<Pair>::kStepTiles * kTileN / 8;
       float sc[4 * kGroups];
       const int nu = Ring<Pair>::steps(nt);   // score steps of the item; this warpgroup's: u = s, s + 2, ...
-      uint32_t pf_parity = pf_base;   // (S_SERIAL=4: the other's last step of an item may go unwaited)
-      pf_base ^= ((nu + s) >> 1) & 1u;   // the other warpgroup's steps in the item: p_full phases completed
       for (int u = s; u < nu; u += 2) {
         const int t = u * Ring<Pair>::kStepTiles;   // the step's first tile
         // SRefill: tile t + 2 into the buffer of tile t - 2, once P V (t - 2) is done (tiles s and s + 2 came with q);
@@ -319,24 +306,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         float m_prev[2] = {-INFINITY, -INFINITY};   // m of step u - 1, from the other score warpgroup
-        if constexpr (kSSerial == 1 || kSSerial == 4) {   // S after the step before's S and maxima (the default)
+        if constexpr (kSSerial) {   // S after the step before's S and maxima
           if (u > 0) {
-            if constexpr (kSSerial == 4) {   // (experiment) and after its P
-              mbar_wait(&sm.p_full[1 - s], pf_parity);
-              pf_parity ^= 1u;
-            }
             mbar_wait(&sm.m_full[1 - s], mf_parity);
             mf_parity ^= 1u;
             m_prev[0] = sm.m[1 - s][wrow + g];
             m_prev[1] = sm.m[1 - s][wrow + g + 8];
           }
         }
-#if KDTREE_DUAL_S_SERIAL >= 2
-        if (kSSerial == 2 ? u > 0 : u == 1) {   // (experiment) S after the step before's S
-          mbar_wait(&sm.s_done[1 - s], sd_parity);
-          sd_parity ^= 1u;
-        }
-#endif
         {
           const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
           wg::wg_fence();
@@ -353,16 +330,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           if constexpr (SRefill && kSRefillAfterS) refill_own();
           wg::wg_wait0();
         }
-#if KDTREE_DUAL_S_SERIAL >= 2
-        if (kSSerial == 2 ? u + 1 < nu : u == 0 && nu > 1) mbar_arrive(&sm.s_done[s]);   // the other's next S may start
-#endif
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
         scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
         // the running maxima: m of the step before from the other score warpgroup, this step's published at once
         // (before P)
         float m_run[2] = {m_prev[0], m_prev[1]};
-        if (kSSerial != 1 && kSSerial != 4 && u > 0) {
+        if (!kSSerial && u > 0) {
           mbar_wait(&sm.m_full[1 - s], mf_parity);
           mf_parity ^= 1u;
           m_run[0] = sm.m[1 - s][wrow + g];
