@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of compile-time variants against the default build, on a GPU machine (no network), logs under $OUT.
-#   KDTREE_AB_VARIANTS="KDTREE_DUAL_S_SERIAL=2 KDTREE_DUAL_S_SERIAL=3" bash benchmarks/ab_variants.sh
+#   KDTREE_AB_VARIANTS="KDTREE_DUAL_S_SERIAL=0 KDTREE_WG_Q_FIRST=4" bash benchmarks/ab_variants.sh
 # Each variant is one or more macro definitions joined by "+" (e.g. "KDTREE_A=1+KDTREE_B=2"). The script
 # - builds the default (ci/build_gpu.sh, installed) and every variant (pip --target /tmp/kd_ab<i>, its own build tree)
 #   side by side;
