@@ -101,14 +101,18 @@ static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of share
 static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
 static_assert(kStages % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
 
-#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps of block 0 (shared memory has no room for them)
-__device__ unsigned g_trace[32][8];
-#define KDTREE_DTRACE(e) \
-  do { if (blockIdx.x == 0 && lane == 0 && t < 32) g_trace[t][e] = (unsigned)(clock64() - t_item); } while (0)
+#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps of block 0 (shared memory has no room for them),
+// in trace::g_tile, printed after the call (wg::trace)
+#define KDTREE_DTRACE(e)                                                                    \
+  do {                                                                                      \
+    if (blockIdx.x == 0 && lane == 0 && k < wg::trace::kItems && t < wg::trace::kTiles)     \
+      wg::trace::g_tile[0][k][t][e] = (unsigned)(clock64() - t_item);                       \
+  } while (0)
 // the start of block 0's first item, in SM clocks (session 20): score thread 0's item start, q copies issued, its q
 // landed, both score warpgroups' q landed; value thread 0's item start, tile 0 issued (after its slot ids), tiles
 // 0 .. kQFirst-1 issued, the whole ring issued (after q landed)
 __device__ long long g_start[8];
+__device__ int g_start_qfirst;   // kQFirst once g_start holds a call's stamps (the dump kernel clears it)
 #define KDTREE_DSTART(cond, e) do { if (blockIdx.x == 0 && k == 0 && (cond)) g_start[e] = clock64(); } while (0)
 #else
 #define KDTREE_DTRACE(e) do { } while (0)
@@ -414,20 +418,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       }
       sync_block_roles();   // the item's shared memory is consumed before the next item starts
 #ifdef KDTREE_EXP_TRACE
-      if (tid == 0 && blockIdx.x == 0) {
-        __threadfence_block();
-        printf("TRACE block 0 item %d tiles %d total %lld\n", item, nt, clock64() - t_item);
-        if (k == 0)
-          printf("TRACE block 0 item %d start | q issued %lld, q landed (thread 0) %lld, (all) %lld | value side: "
-                 "start %lld, tile 0 issued %lld, tiles < %d issued %lld, ring issued %lld\n", item,
-                 g_start[1] - g_start[0], g_start[2] - g_start[0], g_start[3] - g_start[0], g_start[4] - g_start[0],
-                 g_start[5] - g_start[0], kQFirst, g_start[6] - g_start[0], g_start[7] - g_start[0]);
-        for (int t = 0; t < min(nt, 32); ++t)
-          printf("TRACE block 0 item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u\n", item, t, g_trace[t][0],
-                 g_trace[t][1], g_trace[t][2], g_trace[t][3], g_trace[t][4], g_trace[t][5], g_trace[t][6],
-                 g_trace[t][7]);
+      if (tid == 0 && blockIdx.x == 0 && k < wg::trace::kItems) {   // (printed after the call: wg::trace)
+        wg::trace::g_item[0][k] = {item, nt, clock64() - t_item};
+        wg::trace::g_items[0] = k + 1;
+        if (k == 0) g_start_qfirst = kQFirst;
       }
-      sync_block_roles();
 #endif
     }
   } else {
@@ -541,9 +536,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
       // spilled)
       if (vt == 255) signal_item_done(prm, cx);
-#ifdef KDTREE_EXP_TRACE
-      sync_block_roles();   // pairs with the score side's print barrier
-#endif
     }
   }
 #else

@@ -284,13 +284,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       }
 #ifdef KDTREE_EXP_TRACE
       KDTREE_SKSTART(k == 0 && tid == 0, 5);
-      if (blockIdx.x == 0 && k == 0 && tid == 0) {   // every stamp of the item's start was written long before
-        volatile long long* const st = km::g_sk_start;
-        const long long t0 = min(st[0], st[6]);
-        printf("TRACE block 0 skinny item %d tiles %d | consumer: fetched %lld, q issued %lld, q landed %lld, tile 0 "
-               "landed %lld, its S^T done %lld, item end %lld | producer: fetched %lld, tile 0 issued %lld, tile 1 "
-               "issued %lld\n", item, cx.ntiles, st[0] - t0, st[1] - t0, st[2] - t0, st[3] - t0, st[4] - t0,
-               st[5] - t0, st[6] - t0, st[7] - t0, st[8] - t0);
+      if (blockIdx.x == 0 && k == 0 && tid == 0) {   // (printed after the call, with the stamps: km::g_sk_start)
+        km::g_sk_item[0] = item;
+        km::g_sk_item[1] = cx.ntiles;
+        km::g_sk_item[2] = 1;
       }
 #endif
       // (stage, lred and the row statistics are written again only after the next item's barriers)

@@ -386,6 +386,21 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
 #define KDTREE_WTRACE(e) do { } while (0)
 #endif
 
+#ifdef KDTREE_EXP_TRACE
+// Profiling aid (session 22): the wgmma kernels' TRACE builds keep their stamps in global memory, and a one-thread
+// kernel launched after the call prints them (kdtree_trace_dump_kernel, verify_launch.cu). Until session 21 these
+// kernels called printf themselves; a call is a function boundary, across which ptxas serialises every wgmma of the
+// kernel ("C7510: wgmma pipeline crossing function boundary"), so those traces ran S ~3x slower than the real kernel.
+namespace trace {
+constexpr int kItems = 4;    // items recorded per block: the block's first four
+constexpr int kTiles = 32;   // tiles recorded per item: the first 32
+struct ItemRec { int item, tiles; long long total; };
+__device__ unsigned g_tile[2][kItems][kTiles][8];   // blocks 0 and 1 (the dual kernel: block 0 only)
+__device__ ItemRec g_item[2][kItems];
+__device__ int g_items[2];   // items block b recorded in the latest call (the dump kernel prints and clears them)
+}  // namespace trace
+#endif
+
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -536,14 +551,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       sync_block_roles();   // the item's shared memory is consumed before the next item starts
       if (tid == 32) signal_item_done(prm, cx);   // every partial of the item is stored (not the claimer)
 #ifdef KDTREE_EXP_TRACE
-      if (tid == 0 && blockIdx.x < 2) {
-        printf("TRACE block %d item %d tiles %d total %lld\n", blockIdx.x, item, cx.ntiles, clock64() - t_item);
-        for (int it = 0; it < min(cx.ntiles, 32); ++it)
-          printf("TRACE block %d item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u\n", blockIdx.x, item, it,
-                 sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4],
-                 sm.trace[it][5], sm.trace[it][6], sm.trace[it][7]);
+      if (tid == 0 && blockIdx.x < 2 && k < trace::kItems) {   // (printed after the call: trace::)
+        trace::g_item[blockIdx.x][k] = {item, cx.ntiles, clock64() - t_item};
+        for (int it = 0; it < min(cx.ntiles, trace::kTiles); ++it)
+          for (int e = 0; e < 8; ++e) trace::g_tile[blockIdx.x][k][it][e] = sm.trace[it][e];
+        trace::g_items[blockIdx.x] = k + 1;
       }
-      sync_block_roles();
+      sync_block_roles();   // the stamps are copied before the next item's overwrite them
 #endif
     }
   } else {
@@ -619,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_wgmma_kernel(
       store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
       sync_block_roles();
 #ifdef KDTREE_EXP_TRACE
-      sync_block_roles();   // pairs with the score WG's print barrier
+      sync_block_roles();   // pairs with the score WG's copy-out barrier
 #endif
     }
   }
@@ -730,6 +744,7 @@ __device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv
 // from key_producer (skinny, trans), SM clocks: the consumer's item fetched, q issued, q landed, tile 0 landed, tile
 // 0's S^T done, the item's end; the producer's item fetched, tile 0 issued, tile 1 issued
 __device__ volatile long long g_sk_start[9];
+__device__ int g_sk_item[3];   // block 0's first item, its tiles, 1 once recorded (the dump kernel clears it)
 #define KDTREE_SKSTART(cond, e) do { if (blockIdx.x == 0 && (cond)) ::kdtree::km::g_sk_start[e] = clock64(); } while (0)
 #else
 #define KDTREE_SKSTART(cond, e) do { } while (0)
