@@ -1,0 +1,26 @@
+"""ptxas must not serialise the wgmma of any sm_90a kernel (CPU only: nvcc, no GPU).
+
+ptxas reports serialised wgmma as an info line, not a warning ("(C7510) Potential Performance Loss: wgmma.mma_async
+instructions are serialized due to ..."; C7515 / C7518 / C7520 for other causes), so --warning-as-error does not catch
+it. Sessions 2-21 traced the kernels in TRACE builds whose in-kernel printf did just that (docs/PERF_LOG.md history
+143): the traces ran S ~3x slower than the real kernel. benchmarks/wgmma_check.sh compiles the CUDA source as CMake
+does for sm_90a and fails on any such line; this runs it on the default build and on the TRACE build.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags", [[], ["-DKDTREE_EXP_TRACE"]], ids=["default", "trace"])
+def test_no_kernel_serialises_its_wgmma(flags):
+    if not (shutil.which("nvcc") or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)):
+        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "wgmma_check.sh"), *flags], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    assert out.stdout.startswith("wgmma not serialised"), out.stdout
