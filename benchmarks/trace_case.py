@@ -5,7 +5,9 @@
     python benchmarks/trace_case.py B8 9         # the benchmark's ragged batch (8 requests, 4k..64k)
 Blocks 0 and 1 print, for each work item, one line per 32-key tile: SM clocks since the item's
 prologue ended when score warp 0 saw the keys land / passed P-empty / had S / published P, and when
-value warp 0 passed P-full / had P V / passed the value barrier / had issued the refill. The wgmma kernels (dual, wgmma,
+value warp 0 passed P-full / had P V / passed the value barrier / had issued the refill; in the dual kernel's lines two
+more columns: score warp 0 issued S (past its waits for the tile and for the other warpgroup's maxima) / had the tile's
+own row maxima (session 22; the wgmma kernel prints 0 there). The wgmma kernels (dual, wgmma,
 skinny) keep their stamps in global memory and a one-thread kernel prints them after each call (since session 22: a
 printf inside them made ptxas serialise their wgmma, so earlier traces ran S ~3x slower than the real kernel).
 """

@@ -320,6 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         {
           const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
+          if ((warp & 3) == 0) KDTREE_DTRACE(8);   // S issued (past the waits for the tile and the other's maxima)
           wg::wg_fence();
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
@@ -337,6 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
         scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
+        if ((warp & 3) == 0) KDTREE_DTRACE(9);   // the tile's own row maxima
         // the running maxima: m of the step before from the other score warpgroup, this step's published at once
         // (before P)
         float m_run[2] = {m_prev[0], m_prev[1]};
