@@ -9,7 +9,7 @@ value warp 0 passed P-full / had P V / passed the value barrier / had issued the
 more columns: score warp 0 issued S (past its waits for the tile and for the other warpgroup's maxima) / had the tile's
 own row maxima (session 22; the wgmma kernel prints 0 there). The wgmma kernels (dual, wgmma,
 skinny) keep their stamps in global memory and a one-thread kernel prints them after each call (since session 22: a
-printf inside them made ptxas serialise their wgmma, so earlier traces ran S ~3x slower than the real kernel).
+printf inside them made ptxas serialise their wgmma, so earlier traces timed a slower S than the real kernel's).
 """
 import sys
 

@@ -3,7 +3,7 @@
 ptxas reports serialised wgmma as an info line, not a warning ("(C7510) Potential Performance Loss: wgmma.mma_async
 instructions are serialized due to ..."; C7515 / C7518 / C7520 for other causes), so --warning-as-error does not catch
 it. Sessions 2-21 traced the kernels in TRACE builds whose in-kernel printf did just that (docs/PERF_LOG.md history
-143): the traces ran S ~3x slower than the real kernel. benchmarks/wgmma_check.sh compiles the CUDA source as CMake
+143): those traces timed S with its wgmma serialised. benchmarks/wgmma_check.sh compiles the CUDA source as CMake
 does for sm_90a and fails on any such line; this runs it on the default build and on the TRACE build.
 """
 

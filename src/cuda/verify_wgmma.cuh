@@ -390,7 +390,8 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
 // Profiling aid (session 22): the wgmma kernels' TRACE builds keep their stamps in global memory, and a one-thread
 // kernel launched after the call prints them (kdtree_trace_dump_kernel, verify_launch.cu). Until session 21 these
 // kernels called printf themselves; a call is a function boundary, across which ptxas serialises every wgmma of the
-// kernel ("C7510: wgmma pipeline crossing function boundary"), so those traces ran S ~3x slower than the real kernel.
+// kernel ("C7510: wgmma pipeline crossing function boundary"): those traces timed S with its wgmma serialised (~3,000
+// clocks per S, where micro_contention gives ~1,100 for an S alone; PERF_LOG history 143).
 namespace trace {
 constexpr int kItems = 4;    // items recorded per block: the block's first four
 constexpr int kTiles = 32;   // tiles recorded per item: the first 32
