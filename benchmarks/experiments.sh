@@ -24,7 +24,7 @@ for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA}; do
       -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > /tmp/exp_build.log 2>&1 || { tail -20 /tmp/exp_build.log; exit 1; }
   echo "== $v ($flags)"
   [ "$arch" = 90 ] && bash benchmarks/wgmma_check.sh $flags   # a serialised wgmma makes the variant's times not the kernel's
-  if [[ "$v" == *TRACE* ]]; then   # clock64 stamps per tile (printf): the last call's lines only
+  if [[ "$v" == *TRACE* ]]; then   # clock64 stamps per tile (printed after each call): the last call's lines only
     for shape in ${KDTREE_TRACE_SHAPES:-131072:9 131072:1}; do
       python3 benchmarks/trace_case.py ${shape/:/ } 2>&1 | sed -n '/=== call 2/,$p' | grep -E "===|TRACE block 0" | head -${KDTREE_TRACE_LINES:-70}
     done
