@@ -49,5 +49,5 @@ echo "(and, only with KDTREE_MIXED=1, its remainder instantiation a last row til
 echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (slower than the default on every shape measured, H200, session 14),"
 echo "the dual kernel's pair and srefill instantiations only under KDTREE_SPLIT_KERNEL=pair / srefill (slower, session 16)."
 echo "kdtree_verify_split_dual_kernel's 128 registers are its launch allocation (512 threads); setmaxnreg then gives"
-echo "its score warpgroups 88 and its value warpgroups 168 (96 / 160 in pair and srefill; verify_dual.cuh; ptxas checks each region: no spills); the"
+echo "its score warpgroups 96 (16 scores and 8 k-steps of q, KDTREE_DUAL_QREG) and its value warpgroups 160 (the same in pair and srefill; verify_dual.cuh; ptxas checks each region: no spills); the"
 echo "trans kernel's 128 likewise, then 144 / 160 / 160 / 48 (score, value, value, producer: verify_trans.cuh)."

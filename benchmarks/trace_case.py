@@ -7,7 +7,8 @@ Blocks 0 and 1 print, for each work item, one line per 32-key tile: SM clocks si
 prologue ended when score warp 0 saw the keys land / passed P-empty / had S / published P, and when
 value warp 0 passed P-full / had P V / passed the value barrier / had issued the refill; in the dual kernel's lines two
 more columns: score warp 0 issued S (past its waits for the tile and for the other warpgroup's maxima) / had the tile's
-own row maxima (session 22; the wgmma kernel prints 0 there). The wgmma kernels (dual, wgmma,
+own row maxima (session 22; the wgmma kernel prints 0 there), and three more: value warp 0 had issued P V / had P V
+done, the last value warp had issued its refill (session 23). The wgmma kernels (dual, wgmma,
 skinny) keep their stamps in global memory and a one-thread kernel prints them after each call (since session 22: a
 printf inside them made ptxas serialise their wgmma, so earlier traces timed a slower S than the real kernel's).
 """

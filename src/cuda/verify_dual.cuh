@@ -8,7 +8,7 @@
 // runs its softmax while the other's S is on the tensor cores:
 // - 4 warpgroups, 512 threads. A 512-thread kernel caps ptxas at 128 registers for any one instruction,
 //   so P V runs as two wgmma m64n128k16 per k-step (m64n256k16 needs 154); setmaxnreg then gives the
-//   score warpgroups 88 registers and the value warpgroups 168.
+//   score warpgroups 96 registers and the value warpgroups 160 (88 / 168 before session 23).
 // - Score warpgroup s (s = 0, 1) owns tiles t = s, s + 2, ...: S_t = Q K_t^T (36 wgmma m64n32k16, both
 //   operands in shared memory), the tile's row maxima, then the running maxima: it waits for m_{t-1}
 //   (published by the other score warpgroup on m_full as soon as that tile's maxima were known, before
@@ -48,10 +48,21 @@ using wg::kValueThreads;
 constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
 constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups
 constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads per SM
-// setmaxnreg: 2 x 88 + 2 x 168 = 512 = 4 x 128 (the launch's); with Pair the score warpgroups hold 32 scores per
-// thread, not 16, and with SRefill they gather the keys: 2 x 96 + 2 x 160
-template <bool Pair, bool SRefill> constexpr int kScoreRegs = Pair || SRefill ? 96 : 88;
-template <bool Pair, bool SRefill> constexpr int kValueRegs = Pair || SRefill ? 160 : 168;
+// setmaxnreg: 2 x 96 + 2 x 160 = 512 = 4 x 128 (the launch's): the score warpgroups hold 16 scores and 32 registers
+// of q per thread (KDTREE_DUAL_QREG); 2 x 88 + 2 x 168 without q in registers. With Pair they hold 32 scores per
+// thread, not 16, and with SRefill they gather the keys: 2 x 96 + 2 x 160.
+// S's last KDTREE_DUAL_QREG k-steps take q from registers (session 23, default 8; 0: all 36 from shared memory).
+// Each score thread holds 4 registers of q per such k-step for the whole item, loaded by ldmatrix once q has landed.
+// Those k-steps read 1 KB of keys from shared memory instead of 3 KB: at 32 keys S is bound by its q reads, 192 B per
+// clock of shared memory's 128. Measured (H200, history 147): 8 -1.3 to -2.2% on every benchmark shape, 4 -0.9 to
+// -1.8%; 9 or more spill at 96 registers, and the value warpgroups spill below 160.
+#ifndef KDTREE_DUAL_QREG
+#define KDTREE_DUAL_QREG 8
+#endif
+constexpr int kQReg = KDTREE_DUAL_QREG;
+static_assert(kQReg >= 0 && kQReg <= 8, "KDTREE_DUAL_QREG: 0 .. 8 k-steps");
+template <bool Pair, bool SRefill> constexpr int kScoreRegs = Pair || SRefill || kQReg > 0 ? 96 : 88;
+template <bool Pair, bool SRefill> constexpr int kValueRegs = Pair || SRefill || kQReg > 0 ? 160 : 168;
 static_assert(2 * kScoreRegs<false, false> + 2 * kValueRegs<false, false> <= 4 * kLaunchRegs, "register pool");
 static_assert(2 * kScoreRegs<true, true> + 2 * kValueRegs<true, true> <= 4 * kLaunchRegs, "register pool");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
@@ -283,6 +294,19 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       if constexpr (!SRefill) mbar_arrive(&sm.q_full);   // the value warpgroups may ask for the rest of the ring
       bar_sync(kBarScore, 256);
       KDTREE_DSTART(tid == 0, 3);
+      // q of S's last kQReg k-steps into registers (k-step ks: slab ks / 4, 16-byte chunks 2 (ks % 4) and + 1 of the
+      // rows' 128-byte lines, swizzled by row % 8); lane l addresses row l % 16 of the warp's, chunk + l / 16
+      constexpr bool kQRegs = kQReg > 0 && !Pair && !SRefill;
+      uint32_t qa[kQRegs ? kQReg : 1][4];
+      if constexpr (kQRegs) {
+        const int row = wrow + (lane & 15);
+#pragma unroll
+        for (int i = 0; i < kQReg; ++i) {
+          const int ks = kKSteps - kQReg + i;
+          const int ch = 2 * (ks & 3) + (lane >> 4);
+          ldmatrix_x4(qa[i], &sm.q[(ks >> 2) * kQSlabBytes + row * 128 + ((ch ^ (row & 7)) << 4)]);
+        }
+      }
 
       float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
       float l_own[2] = {0.f, 0.f};
@@ -324,10 +348,15 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           wg::wg_fence();
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
+#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
+            if (ks > 0) continue;
+#endif
             const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
             const uint64_t db = kd.at((ks >> 2) * Ring<Pair>::kSlabStride + (ks & 3) * 32);
             if constexpr (Pair)
               wg::wgmma_m64n64k16_ss(sc, da, db, ks > 0);
+            else if (kQRegs && ks >= kKSteps - kQReg)
+              wg::wgmma_m64n32k16_rs(sc, qa[kQRegs ? ks - (kKSteps - kQReg) : 0], db, ks > 0);
             else
               wg::wgmma_m64n32k16_ss(sc, da, db, ks > 0);
           }
@@ -502,16 +531,22 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           wg::wg_fence();
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
+#ifdef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
+            continue;
+#endif
             const uint64_t da = pd + ((kk * 32) >> 4);
             wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
             wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kStride + kk * 16 * 128));
           }
           wg::wg_commit();
+          if (warp == 8) KDTREE_DTRACE(10);   // P V issued
           // while P V runs (earlier, before P V or before the wait for P, is slower: branch
-          // next/dual-refill-placement, history 77 and 80)
+          // next/dual-refill-placement, history 77 and 80; before P V again in session 23, +5 to +13.5%, history 147)
           if (!SRefill && t > 0) refill(t);
           if (warp == 8) KDTREE_DTRACE(6);
+          if (warp == 15) KDTREE_DTRACE(12);   // the last value warp's refill issued
           wg::wg_wait0();
+          if (warp == 8) KDTREE_DTRACE(11);   // P V done
         }
         // release: its score warpgroup writes P / alpha again (after the step's last tile)
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);

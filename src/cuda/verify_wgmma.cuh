@@ -166,6 +166,16 @@ __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// The same product with A from registers (mma.m16n8k16's A fragment layout per warp, as wgmma_m64n128k16_rs_bt)
+__device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b,
+                                                   int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64 x 64] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 64] (shared memory, K-major), fp32 accumulate: the
 // dual kernel's S over a pair of 32-key buffers (KDTREE_SPLIT_KERNEL=pair).
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -395,7 +405,7 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
 namespace trace {
 constexpr int kItems = 4;    // items recorded per block: the block's first four
 constexpr int kTiles = 32;   // tiles recorded per item: the first 32
-constexpr int kStamps = 10;  // per tile: 0-3 score side, 4-7 value side (the wgmma kernel's sm.trace), 8-9 dual extras
+constexpr int kStamps = 13;  // per tile: 0-3 score side, 4-7 value side (the wgmma kernel's sm.trace), 8-12 dual extras
 struct ItemRec { int item, tiles; long long total; };
 __device__ unsigned g_tile[2][kItems][kTiles][kStamps];   // blocks 0 and 1 (the dual kernel: block 0 only)
 __device__ ItemRec g_item[2][kItems];
