@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Does ptxas serialise the wgmma of any sm_90a kernel under these compile flags? (CPU only, ~20 s)
 #   bash benchmarks/wgmma_check.sh -DKDTREE_EXP_TRACE
-# Prints one line: "wgmma not serialised" or the kernels' count and the first reason, and exits 1 in the second case.
+# Prints one line: "wgmma not serialised" or the kernels' count and the first reason, and exits 1 in the second case;
+# either line also names the default dual kernel's spills if it has any (session 23: the TRACE build of the 96-register
+# score warpgroups spills P's store offsets in the tile loop, so its per-tile times run long; not an exit code).
 # ptxas reports it as an info line (C7510 / C7515 / C7518 / C7520), which pip's quiet builds and --warning-as-error
 # do not show: sessions 2-21 traced kernels whose TRACE build serialised them (docs/PERF_LOG.md history 143).
 set -uo pipefail
@@ -9,11 +11,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 out=$(mktemp -d)
 "$nvcc" -std=c++17 -O3 --expt-relaxed-constexpr -DKDTREE_HAVE_SM90A=1 -gencode arch=compute_90a,code=sm_90a \
-  -Isrc/cuda "$@" -c src/cuda/verify_launch.cu -o "$out/v.o" > "$out/log" 2>&1 || { tail -20 "$out/log"; rm -rf "$out"; exit 2; }
+  -Isrc/cuda -Xptxas -v "$@" -c src/cuda/verify_launch.cu -o "$out/v.o" > "$out/log" 2>&1 || { tail -20 "$out/log"; rm -rf "$out"; exit 2; }
 n=$(grep -c "(C75[0-9][0-9])" "$out/log")
+spill=$(grep -A3 "Compiling entry function '_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0ELb0E" "$out/log" \
+  | grep -o "[0-9]* bytes spill stores" | head -1)
+note=""; [ -n "$spill" ] && [ "${spill%% *}" != 0 ] && note="; the dual kernel SPILLS: $spill"
 if [ "$n" -gt 0 ]; then
-  echo "wgmma SERIALISED ($* ): $n line(s), e.g. $(grep -m1 "(C75[0-9][0-9])" "$out/log" | cut -c1-220)"
+  echo "wgmma SERIALISED ($* ): $n line(s), e.g. $(grep -m1 "(C75[0-9][0-9])" "$out/log" | cut -c1-220)$note"
   rm -rf "$out"; exit 1
 fi
-echo "wgmma not serialised ($* )"
+echo "wgmma not serialised ($* )$note"
 rm -rf "$out"
