@@ -166,7 +166,8 @@ __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// The same product with A from registers (mma.m16n8k16's A fragment layout per warp, as wgmma_m64n128k16_rs_bt)
+// The same product with A from registers: warp w of the warpgroup holds rows 16 w .. 16 w + 15 in mma.m16n8k16's A
+// fragment layout (the dual kernel's q, KDTREE_DUAL_QREG)
 __device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b,
                                                    int accumulate) {
   asm volatile(
