@@ -462,6 +462,8 @@ def test_the_fastest_split_kernel_is_selected():
         assert got == "wgmma-dual-pair"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "srefill":
         assert got == "wgmma-dual-srefill"
+    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "seesaw":
+        assert got == "wgmma-seesaw"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") != "mma":
         assert got == "wgmma-dual", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
     elif cc == (9, 0):

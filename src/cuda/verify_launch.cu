@@ -13,6 +13,7 @@
 #include "verify_kernel.cuh"
 #include "verify_pingpong.cuh"
 #include "verify_dual.cuh"
+#include "verify_seesaw.cuh"
 #include "verify_skinny.cuh"
 #include "verify_trans.cuh"
 
@@ -112,9 +113,11 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // 48-row items (verify_trans.cuh: slower than the default on every shape measured, session 14; never chosen).
 // KDTREE_SPLIT_KERNEL=pair / srefill (session 16): the dual kernel with its S over pairs of 32-key buffers as
 // m64n64k16 (verify_dual.cuh, Pair) / with the score warpgroups refilling the key buffers (SRefill).
+// KDTREE_SPLIT_KERNEL=seesaw (session 24): two warpgroups that each hold half of O and take turns at S over 64-key
+// steps (verify_seesaw.cuh).
 enum SplitKernel {
   kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94, kMixed = 95, kDualPair = 96,
-  kDualSRefill = 97
+  kDualSRefill = 97, kSeesaw = 98
 };
 bool is_dual(int kernel) { return kernel == kDual || kernel == kDualPair || kernel == kDualSRefill; }
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
@@ -160,6 +163,9 @@ SplitLaunch split_launch(int kernel) {
             : kernel == kDualPair ? kdtree::dual::kdtree_verify_split_dual_kernel<true, false>
                                   : kdtree::dual::kdtree_verify_split_dual_kernel<false, true>,
             kdtree::dual::kThreads, kdtree::dual::kSmemBytes, kWgRows, kWgTile};
+  if (kernel == kSeesaw)
+    return {kdtree::seesaw::kdtree_verify_split_seesaw_kernel, kdtree::seesaw::kThreads, kdtree::seesaw::kSmemBytes,
+            kWgRows, kWgTile};
   if (kernel == kSkinny || kernel == kSkinnyRem)
     return {kernel == kSkinny ? kdtree::sk::kdtree_verify_split_skinny_kernel<false>
                               : kdtree::sk::kdtree_verify_split_skinny_kernel<true>,
@@ -227,6 +233,7 @@ DeviceInfo device_info(int dev, int* status) {
       if (env_is("KDTREE_SPLIT_KERNEL", "trans")) kernel = kTrans;
       if (env_is("KDTREE_SPLIT_KERNEL", "pair")) kernel = kDualPair;
       if (env_is("KDTREE_SPLIT_KERNEL", "srefill")) kernel = kDualSRefill;
+      if (env_is("KDTREE_SPLIT_KERNEL", "seesaw") && (size_t)optin >= kdtree::seesaw::kSmemBytes) kernel = kSeesaw;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
@@ -243,7 +250,7 @@ DeviceInfo device_info(int dev, int* status) {
     // the small-call kernel beside the device's (not fatal when it cannot be configured: the device's serves every call)
     int small_kernel = 0, small_rows = 0;
 #ifdef KDTREE_HAVE_SM90A
-    if (is_dual(kernel) && !env_is("KDTREE_SKINNY", "0")) {
+    if ((is_dual(kernel) || kernel == kSeesaw) && !env_is("KDTREE_SKINNY", "0")) {
       small_kernel = kSkinny;
       small_rows = kdtree::sk::kRows;
     }
@@ -535,7 +542,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
   // (the default dual kernel, alone or in a mixed call, is the one that reads them; pair and srefill copy q)
-  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed) && build_q_maps(prm, p);
+  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed || call == kSeesaw) && build_q_maps(prm, p);
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
