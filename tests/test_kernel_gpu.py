@@ -482,7 +482,7 @@ def test_the_fastest_split_kernel_is_selected():
     # with KDTREE_MIXED=1, a last 64-row tile of <= 16 rows (H16 N9: 64 + 64 + 16) runs as skinny items beside the dual one
     remainder = [(1, 9, 16), (8, 72, 16), (1, 5, 16), (1, 65, 1), (2, 66, 2)]
     small16 = small32 = mixed = got
-    if got in ("wgmma-dual", "wgmma-dual-pair", "wgmma-dual-srefill") and os.environ.get("KDTREE_SKINNY") != "0":
+    if got in ("wgmma-dual", "wgmma-dual-pair", "wgmma-dual-srefill", "wgmma-seesaw") and os.environ.get("KDTREE_SKINNY") != "0":
         small16 = "wgmma-skinny"
         if got == "wgmma-dual" and os.environ.get("KDTREE_MIXED") == "1":
             mixed = "wgmma-dual+skinny"

@@ -74,7 +74,6 @@ constexpr int kBarBlock = 1;    // score warpgroup 0 and the value warpgroups: r
 constexpr int kBarPFull = 2;    // + s: score warpgroup s arrives, the value warpgroups wait (wake-up)
 constexpr int kBarValues = 4;   // the two value warpgroups: the key tile consumed, may refill
 constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
-constexpr int kBarOwn = 6;      // + v (KDTREE_DUAL_OWN_SLABS): value warpgroup v is done with a key tile
 
 // The two score warpgroups' S in turn (session 22): S (u) is issued once the other warpgroup's step u - 1 has its S and
 // row maxima (m_full), instead of both S overlapped (0, sessions 9-21; kept as the switch's other value for A/Bs).
@@ -88,16 +87,6 @@ constexpr int kBarOwn = 6;      // + v (KDTREE_DUAL_OWN_SLABS): value warpgroup 
 #endif
 constexpr bool kSSerial = KDTREE_DUAL_S_SERIAL;
 static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DUAL_S_SERIAL: 0 or 1");
-
-// Each value warpgroup refills only the slabs that it reads (session 24): value warpgroup v copies V's slabs 4 v ..
-// 4 v + 3 of all 32 keys of a tile, and the rope slab (read by S alone) of keys 16 v .. 16 v + 15: 9 copies per
-// thread, two keys' slot ids. A buffer is then free for warpgroup v's refill once its own four warps are done with
-// P V (a barrier over its 128 threads, kBarOwn + v), not both warpgroups (kBarValues over 256).
-#ifndef KDTREE_DUAL_OWN_SLABS
-#define KDTREE_DUAL_OWN_SLABS 0
-#endif
-constexpr bool kOwnSlabs = KDTREE_DUAL_OWN_SLABS;
-static_assert(KDTREE_DUAL_OWN_SLABS == 0 || KDTREE_DUAL_OWN_SLABS == 1, "KDTREE_DUAL_OWN_SLABS: 0 or 1");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -178,30 +167,6 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
                                             const long long (&slot)[Keys]) {
   wg::copy_tile<Keys, Ring<Pair>::kSlabStride>(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b), &sm.full[b], prm, cx, t,
                                                i, slot);
-}
-
-// KDTREE_DUAL_OWN_SLABS: value thread i (0..127) of warpgroup v copies chunk i % 8 of slabs 4 v .. 4 v + 3 of keys
-// i / 8 and i / 8 + 16 of tile t (slot ids slot[0], slot[1]), and of the rope slab of key i / 8 + 16 v, into ring
-// buffer b, then arrives on its mbarrier once they have landed; nothing past the item's last tile.
-__device__ __forceinline__ void gather_own_slabs(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int v,
-                                                 int i, const long long (&slot)[2]) {
-  if (t >= cx.ntiles) return;
-  const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
-  const int cc = i % wg::kThreadsPerKey;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int kt = i / wg::kThreadsPerKey + (kTileN / 2) * h;
-    const int key = cx.k0 + t * kTileN + kt;
-    const int bytes = key < cx.k1 ? 16 : 0;
-    const __nv_bfloat16* src = key_ptr(prm, cx, key, slot[h]) + cc * 8;
-    const uint32_t dst = buf + kt * 128 + ((cc ^ (kt & 7)) << 4);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      cp_async_16z(dst + (4 * v + j) * kSlabBytes, src + (4 * v + j) * wg::kSlabDims, bytes);
-    if (h == v)
-      cp_async_16z(dst + (kSlabs - 1) * kSlabBytes, src + (kSlabs - 1) * wg::kSlabDims, bytes);
-  }
-  wg::arrive_when_landed(&sm.full[b]);
 }
 
 // SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
@@ -496,7 +461,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     wg::set_max_regs<kValueRegs<Pair, SRefill>, kLaunchRegs>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
-    constexpr bool kOwn = kOwnSlabs && !Pair && !SRefill;   // KDTREE_DUAL_OWN_SLABS
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {
       mbar_wait(&sm.item_full, k & 1);   // the score side's item fetch (acquire)
@@ -512,12 +476,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       KDTREE_DSTART(vt == 0, 4);
 
       // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
-      constexpr int kKeys = kOwn ? 2 : 1;   // keys per copying thread and tile
-      long long slot[kKeys] = {};
+      long long slot[1] = {0};
       if constexpr (!SRefill) {
-        long long slots[kStages + 1][kKeys];
+        long long slots[kStages + 1][1];
 #pragma unroll
-        for (int t = 0; t <= kStages; ++t) wg::tile_slots<kKeys>(prm, cx, t, kOwn ? vt & 127 : vt, slots[t]);
+        for (int t = 0; t <= kStages; ++t) wg::tile_slots<1>(prm, cx, t, vt, slots[t]);
 #pragma unroll
         for (int t = 0; t < kStages; ++t) {
           if (t == kQFirst) {   // the rest of the ring once q has landed
@@ -525,15 +488,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
             mbar_wait(&sm.q_full, q_parity);
             q_parity ^= 1u;
           }
-          if constexpr (kOwn)
-            gather_own_slabs(sm, prm, cx, t, t, v, vt & 127, slots[t]);
-          else
-            gather_tile<Pair, 1>(sm, prm, cx, t, t, vt, slots[t]);
+          gather_tile<Pair, 1>(sm, prm, cx, t, t, vt, slots[t]);
           if (t == 0) KDTREE_DSTART(vt == 0, 5);
         }
         KDTREE_DSTART(vt == 0, 7);
-#pragma unroll
-        for (int h = 0; h < kKeys; ++h) slot[h] = slots[kStages][h];
+        slot[0] = slots[kStages][0];
       }
 
       float o[128];
@@ -542,14 +501,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // the buffer of the previous tile (both value warpgroups were done with it at the barrier that ended
       // that tile) takes tile t - 1 + kStages
       auto refill = [&](int t) {
-        long long next[kKeys];
-        wg::tile_slots<kKeys>(prm, cx, t + kStages, kOwn ? vt & 127 : vt, next);
-        if constexpr (kOwn)
-          gather_own_slabs(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, v, vt & 127, slot);
-        else
-          gather_tile<Pair, 1>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
-#pragma unroll
-        for (int h = 0; h < kKeys; ++h) slot[h] = next[h];
+        long long next[1];
+        wg::tile_slots<1>(prm, cx, t + kStages, vt, next);
+        gather_tile<Pair, 1>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
+        slot[0] = next[0];
       };
 
       const int nt = cx.ntiles;
@@ -597,8 +552,6 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
         if constexpr (SRefill) {
           if (t + kStages < nt) mbar_arrive(&sm.empty[b]);   // its score warpgroup refills it with tile t + 4
-        } else if constexpr (kOwn) {
-          bar_sync(kBarOwn + v, 128);   // this warpgroup's four warps are done with its slabs of buffer b
         } else {
           bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         }

@@ -43,6 +43,15 @@ constexpr int kPvSteps = kStepN / 16;              // 4
 static_assert(kPBytes == kQSlabBytes, "P buffer 1 takes the place of q's rope slab");
 static_assert(kQRegSteps * 16 == kSlabDims, "the register k-steps are exactly q's last slab");
 
+// The order of a warpgroup's step u: 0 (session 24's first form): its refill, the other warpgroup's P V (u - 1), S (u),
+// softmax (u), P V (u); 1: S (u) as soon as its keys have landed, then the softmax (u), then the other's P V (u - 1)
+// (issued before the softmax, with S (u) or P V (u - 1) in flight while the softmax reads S's accumulators, ptxas
+// serialises the wgmma).
+#ifndef KDTREE_SEESAW_S_FIRST
+#define KDTREE_SEESAW_S_FIRST 0
+#endif
+constexpr bool kSFirst = KDTREE_SEESAW_S_FIRST;
+
 // Named barriers (0 is __syncthreads).
 constexpr int kBarStage = 1;   // the item's rows staged for the store (store_o_rows_staged), all 256 threads
 constexpr int kBarWg = 2;      // + w: warpgroup w's four warps (its P written; its P V of a buffer done)
@@ -58,6 +67,8 @@ struct Smem {
   unsigned long long full[2];     // step landed: 256 arrivals (each thread's copies into the buffer)
   unsigned long long p_full[2];   // P / alpha / m of warpgroup w's latest step: 128 arrivals (release)
   unsigned long long q_land;      // q landed by TMA: 1 arrival + its 72 KB
+  unsigned long long l_full;      // warpgroup 1's row sums stored: 128 arrivals (on an mbarrier: racecheck reported
+                                  // the store / load pair across __syncthreads, as history 53's)
   int item[2];
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
@@ -132,6 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       mbar_init(&sm.p_full[b], 128);
     }
     mbar_init(&sm.q_land, 1);
+    mbar_init(&sm.l_full, 128);
     fence_proxy_async();
   }
   __syncthreads();
@@ -196,14 +208,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
     float sc[32];
 
     // P V of the other warpgroup's step v (its P and alpha, published on p_full), after this warpgroup's previous
-    // P V: returns with that product issued and committed
-    auto pv_other = [&](int v) {
+    // P V (waited for here with `wait`): returns with that product issued and committed
+    auto acquire_other = [&]() {   // its step's P, alpha and m (published on p_full)
       mbar_wait(&sm.p_full[1 - w], (pf_bits >> (1 - w)) & 1u);
       pf_bits ^= 1u << (1 - w);
       m_prev[0] = sm.m[1 - w][wrow + g];
       m_prev[1] = sm.m[1 - w][wrow + g + 8];
+    };
+    auto pv_other = [&](int v, bool wait, bool acquire = true) {
+      if (acquire) acquire_other();
       const float a0 = sm.alpha[1 - w][wrow + g], a1 = sm.alpha[1 - w][wrow + g + 8];
-      wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
+      if (wait) wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
       wg::rescale_o(o, a0, a1);
       const uint64_t pd = SmemDesc(smem_u32(p_buf(sm, 1 - w)), 16, 1024).at(0);
       const SmemDesc vd(smem_u32(&sm.kv[v & 1][0]) + (4 * w) * kSlabBytes, kSlabBytes, 1024);
@@ -223,8 +238,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         copy_step(sm, prm, cx, u, nu, w, i, slot, true);
         step_slots(prm, cx, u + 1, i, slot);
       }
-      // 2. P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile)
-      if (u >= 1) pv_other(u - 1);
+      // 2. P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile); with kSFirst after S
+      if (!kSFirst && u >= 1) pv_other(u - 1, true);
       // 3. S (u)
       mbar_wait_buffer(sm.full, full_bits, b);
       fence_proxy_async();   // cp.async wrote the step (generic proxy); wgmma reads it (async proxy)
@@ -242,15 +257,23 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         wg::wg_commit();
       }
       // 4. the other's buffer: this warpgroup's V slabs of step u + 1, once its P V (u - 1) is done
-      if (u >= 1) {
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // all but S (u)
+      auto refill_other = [&]() {
         bar_sync(kBarWg + w, 128);
         if (u + 1 < nu) {
           copy_step(sm, prm, cx, u + 1, nu, w, i, slot, false);
           step_slots(prm, cx, u + 2, i, slot);
         }
+      };
+      if constexpr (kSFirst) {
+        wg::wg_wait0();   // S (u)
+        if (u >= 1) acquire_other();   // m (u - 1) for the softmax; its P V after it
+      } else {
+        if (u >= 1) {
+          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // all but S (u)
+          refill_other();
+        }
+        wg::wg_wait0();   // S (u)
       }
-      wg::wg_wait0();   // S (u)
       // 5. softmax (u): P (u) into this warpgroup's P buffer, alpha and m beside it
       float tmax[2];
       scale_mask_max<kStepN / 8>(prm, cx, H, cx.k0 + u * kStepN, wrow + g, c, sc, tmax);
@@ -276,7 +299,17 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       }
       fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha and m by plain loads
       mbar_arrive(&sm.p_full[w]);
-      bar_sync(kBarWg + w, 128);   // this warpgroup's P written (its own P V reads all 64 rows)
+      if constexpr (kSFirst) {
+        if (u >= 1) {
+          pv_other(u - 1, false, false);   // (this warpgroup's P V (u - 2) is done: step 1)
+          wg::wg_wait0();   // P V (u - 1)
+          refill_other();   // (its barrier also orders this warpgroup's P before its P V)
+        } else {
+          bar_sync(kBarWg + w, 128);
+        }
+      } else {
+        bar_sync(kBarWg + w, 128);   // this warpgroup's P written (its own P V reads all 64 rows)
+      }
       // 6. P V (u), this warpgroup's half
       wg::rescale_o(o, alpha[0], alpha[1]);
       {
@@ -290,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       }
     }
     // the other warpgroup's last step, if it has the item's last
-    if (((nu - 1) & 1) != w) pv_other(nu - 1);
+    if (((nu - 1) & 1) != w) pv_other(nu - 1, true);
     wg::wg_wait0();
 
     // end of the item: the rows' sums (each warpgroup's relative to its latest m_use), merged by warpgroup 0
@@ -302,8 +335,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         sm.xmu[wrow + g + half * 8] = mu[half];
       }
     }
+    if (w == 1) mbar_arrive(&sm.l_full);
     __syncthreads();   // (also: every P V is done, no copy is in flight: the ring may take the staged rows)
     if (w == 0) {
+      mbar_wait(&sm.l_full, k & 1);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = wrow + g + half * 8;
