@@ -43,14 +43,17 @@ constexpr int kPvSteps = kStepN / 16;              // 4
 static_assert(kPBytes == kQSlabBytes, "P buffer 1 takes the place of q's rope slab");
 static_assert(kQRegSteps * 16 == kSlabDims, "the register k-steps are exactly q's last slab");
 
-// The order of a warpgroup's step u: 0 (session 24's first form): its refill, the other warpgroup's P V (u - 1), S (u),
-// softmax (u), P V (u); 1: S (u) as soon as its keys have landed, then the softmax (u), then the other's P V (u - 1)
-// (issued before the softmax, with S (u) or P V (u - 1) in flight while the softmax reads S's accumulators, ptxas
-// serialises the wgmma).
-#ifndef KDTREE_SEESAW_S_FIRST
-#define KDTREE_SEESAW_S_FIRST 0
+// The order of a warpgroup's step u (KDTREE_SEESAW_ORDER):
+// 0: its refill, the other warpgroup's P V (u - 1), S (u), softmax (u), P V (u): S (u) waits behind P (u - 1);
+// 1: its refill, S (u) as soon as its keys land, then the other's P V (u - 1), which runs while the softmax (u) does;
+// 2: as 1 with the other's P V (u - 1) issued beside S (u), before S is done.
+// (Measured and removed, session 24 call 3: S (u) first and the other's P V (u - 1) after the softmax, 11-16% slower
+// than 0.)
+#ifndef KDTREE_SEESAW_ORDER
+#define KDTREE_SEESAW_ORDER 0
 #endif
-constexpr bool kSFirst = KDTREE_SEESAW_S_FIRST;
+constexpr int kOrder = KDTREE_SEESAW_ORDER;
+static_assert(kOrder >= 0 && kOrder <= 2, "KDTREE_SEESAW_ORDER: 0, 1 or 2");
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarStage = 1;   // the item's rows staged for the store (store_o_rows_staged), all 256 threads
@@ -67,8 +70,11 @@ struct Smem {
   unsigned long long full[2];     // step landed: 256 arrivals (each thread's copies into the buffer)
   unsigned long long p_full[2];   // P / alpha / m of warpgroup w's latest step: 128 arrivals (release)
   unsigned long long q_land;      // q landed by TMA: 1 arrival + its 72 KB
-  unsigned long long l_full;      // warpgroup 1's row sums stored: 128 arrivals (on an mbarrier: racecheck reported
-                                  // the store / load pair across __syncthreads, as history 53's)
+  // (the item index and the row sums go from thread to thread on mbarriers: racecheck reported those store / load pairs
+  // across __syncthreads, as history 53's and the dual kernel's item index)
+  unsigned long long l_full;      // warpgroup 1's row sums stored: 128 arrivals
+  unsigned long long r_full;      // warpgroup 0's merged row sums (row_l) stored: 128 arrivals
+  unsigned long long item_full;   // the block's next work item stored: 1 arrival
   int item[2];
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
@@ -121,6 +127,19 @@ __device__ __forceinline__ void copy_step(Smem& sm, const Params& prm, const Ite
   wg::arrive_when_landed(&sm.full[u & 1]);
 }
 
+#ifdef KDTREE_EXP_TRACE   // profiling aid: block 0's stamps per 64-key step u, by the owner's first warp (wg::trace,
+// printed after the call): 0 step start, 1 own refill issued, 2 the other's P V (u - 1) issued (order 0), 3 keys
+// landed, 4 S issued, 5 P V (u - 1) done and the other's refill issued (order 0), 6 S done, 7 P published, 8 the other's
+// P V (u - 1) issued and done, its refill issued (order 1), 9 P V (u) issued
+#define KDTREE_STRACE(e)                                                                                \
+  do {                                                                                                  \
+    if (blockIdx.x == 0 && (tid & 127) == 0 && k < wg::trace::kItems && u < wg::trace::kTiles)          \
+      wg::trace::g_tile[0][k][u][e] = (unsigned)(clock64() - t_item);                                   \
+  } while (0)
+#else
+#define KDTREE_STRACE(e) do { } while (0)
+#endif
+
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel(const __grid_constant__ Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -144,6 +163,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
     }
     mbar_init(&sm.q_land, 1);
     mbar_init(&sm.l_full, 128);
+    mbar_init(&sm.r_full, 128);
+    mbar_init(&sm.item_full, 1);
     fence_proxy_async();
   }
   __syncthreads();
@@ -151,12 +172,18 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
   uint32_t full_bits = 0u, pf_bits = 0u;
   const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
   for (int k = 0;; ++k) {
-    if (tid == 0) sm.item[k & 1] = claim_item(prm, k);
-    __syncthreads();   // (the item-end barriers order the slot's reuse two items later)
+    if (tid == 0) {   // (the item-end barriers order the slot's reuse two items later)
+      sm.item[k & 1] = claim_item(prm, k);
+      mbar_arrive(&sm.item_full);
+    }
+    mbar_wait(&sm.item_full, k & 1);
     const int item = sm.item[k & 1];
     if (item >= total) return;
     const ItemCtx cx = item_ctx<kBlockM, wg::kTileN>(prm, item);
     const int nu = (cx.ntiles + 1) / 2;   // 64-key steps
+#ifdef KDTREE_EXP_TRACE
+    const long long t_item = clock64();
+#endif
 
     // q: nine TMA boxes from one thread, or 16-byte copies over all threads
     if (prm.q_tma) {
@@ -207,16 +234,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
     float l_own[2] = {0.f, 0.f};
     float sc[32];
 
-    // P V of the other warpgroup's step v (its P and alpha, published on p_full), after this warpgroup's previous
+    // P V of the other warpgroup's step v (its P, alpha and m, published on p_full), after this warpgroup's previous
     // P V (waited for here with `wait`): returns with that product issued and committed
-    auto acquire_other = [&]() {   // its step's P, alpha and m (published on p_full)
+    auto pv_other = [&](int v, bool wait) {
       mbar_wait(&sm.p_full[1 - w], (pf_bits >> (1 - w)) & 1u);
       pf_bits ^= 1u << (1 - w);
       m_prev[0] = sm.m[1 - w][wrow + g];
       m_prev[1] = sm.m[1 - w][wrow + g + 8];
-    };
-    auto pv_other = [&](int v, bool wait, bool acquire = true) {
-      if (acquire) acquire_other();
       const float a0 = sm.alpha[1 - w][wrow + g], a1 = sm.alpha[1 - w][wrow + g + 8];
       if (wait) wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
       wg::rescale_o(o, a0, a1);
@@ -230,6 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
 
     for (int u = w; u < nu; u += 2) {
       const int b = u & 1;   // == w
+      KDTREE_STRACE(0);
       // 1. this warpgroup's parts of its own buffer for step u, once its P V of step u - 2 is done (steps 0, 1 came
       //    with the prologue)
       if (u >= 2) {
@@ -238,10 +263,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         copy_step(sm, prm, cx, u, nu, w, i, slot, true);
         step_slots(prm, cx, u + 1, i, slot);
       }
-      // 2. P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile); with kSFirst after S
-      if (!kSFirst && u >= 1) pv_other(u - 1, true);
+      KDTREE_STRACE(1);
+      // 2. (order 0) P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile)
+      if (kOrder == 0 && u >= 1) pv_other(u - 1, true);
+      KDTREE_STRACE(2);
       // 3. S (u)
       mbar_wait_buffer(sm.full, full_bits, b);
+      KDTREE_STRACE(3);
       fence_proxy_async();   // cp.async wrote the step (generic proxy); wgmma reads it (async proxy)
       {
         const SmemDesc kd(smem_u32(&sm.kv[b][0]), 16, 1024);
@@ -256,6 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         }
         wg::wg_commit();
       }
+      KDTREE_STRACE(4);
       // 4. the other's buffer: this warpgroup's V slabs of step u + 1, once its P V (u - 1) is done
       auto refill_other = [&]() {
         bar_sync(kBarWg + w, 128);
@@ -264,17 +293,24 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
           step_slots(prm, cx, u + 2, i, slot);
         }
       };
-      if constexpr (kSFirst) {
-        wg::wg_wait0();   // S (u)
-        if (u >= 1) acquire_other();   // m (u - 1) for the softmax; its P V after it
-      } else {
+      if constexpr (kOrder == 0) {
         if (u >= 1) {
-          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // all but S (u)
+          wg::wg_wait_group<1>();   // all but S (u)
           refill_other();
         }
+        KDTREE_STRACE(5);
         wg::wg_wait0();   // S (u)
+      } else if constexpr (kOrder == 1) {
+        wg::wg_wait0();   // S (u)
+        if (u >= 1) pv_other(u - 1, false);   // (this warpgroup's P V (u - 2) is done: step 1)
+      } else {
+        if (u >= 1) pv_other(u - 1, false);   // beside S (u); (this warpgroup's P V (u - 2) is done: step 1)
+        else wg::wg_commit();                 // (an empty group: the wait below is the same on every step)
+        wg::wg_wait_group<1>();   // S (u)
       }
-      // 5. softmax (u): P (u) into this warpgroup's P buffer, alpha and m beside it
+      KDTREE_STRACE(6);
+      // 5. softmax (u): P (u) into this warpgroup's P buffer, alpha and m beside it (orders 1, 2: while the other
+      //    step's P V runs)
       float tmax[2];
       scale_mask_max<kStepN / 8>(prm, cx, H, cx.k0 + u * kStepN, wrow + g, c, sc, tmax);
       float m_run[2] = {m_prev[0], m_prev[1]};
@@ -299,17 +335,18 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       }
       fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha and m by plain loads
       mbar_arrive(&sm.p_full[w]);
-      if constexpr (kSFirst) {
-        if (u >= 1) {
-          pv_other(u - 1, false, false);   // (this warpgroup's P V (u - 2) is done: step 1)
-          wg::wg_wait0();   // P V (u - 1)
-          refill_other();   // (its barrier also orders this warpgroup's P before its P V)
-        } else {
-          bar_sync(kBarWg + w, 128);
-        }
-      } else {
+      KDTREE_STRACE(7);
+      if constexpr (kOrder == 0) {
         bar_sync(kBarWg + w, 128);   // this warpgroup's P written (its own P V reads all 64 rows)
+      } else {
+        // P V (u - 1) done, then this warpgroup's V slabs of step u + 1 (the barrier also orders its P before its P V).
+        // The wait is unconditional: behind `u >= 1`, ptxas does not tie it to the product issued under the same
+        // test and serialises every wgmma of the kernel (C7514).
+        wg::wg_wait0();
+        if (u >= 1) refill_other();
+        else bar_sync(kBarWg + w, 128);
       }
+      KDTREE_STRACE(8);
       // 6. P V (u), this warpgroup's half
       wg::rescale_o(o, alpha[0], alpha[1]);
       {
@@ -321,6 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
           wg::wgmma_m64n256k16_ss_bt(o, pd + ((kk * 32) >> 4), vd.at(kk * 16 * 128), 1);
         wg::wg_commit();
       }
+      KDTREE_STRACE(9);
     }
     // the other warpgroup's last step, if it has the item's last
     if (((nu - 1) & 1) != w) pv_other(nu - 1, true);
@@ -350,11 +388,20 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
           if (cx.rp.nsplit > 1 && r < cx.rows) write_partial_lse(prm, cx, H, r, m_fin, l_fin);
         }
       }
+      mbar_arrive(&sm.r_full);
+    } else {
+      mbar_wait(&sm.r_full, k & 1);
     }
-    __syncthreads();
+    __syncwarp();   // (warpgroup 0: its own lanes' row_l)
     wg::store_o_rows_staged(prm, cx, wrow, lane, w, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarStage, kThreads);
     __syncthreads();   // every partial of the item stored; the item's shared memory consumed
     if (tid == 0) signal_item_done(prm, cx);
+#ifdef KDTREE_EXP_TRACE
+    if (tid == 0 && blockIdx.x == 0 && k < wg::trace::kItems) {   // (printed after the call: wg::trace)
+      wg::trace::g_item[0][k] = {item, nu, clock64() - t_item};
+      wg::trace::g_items[0] = k + 1;
+    }
+#endif
   }
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel
