@@ -46,7 +46,8 @@ static_assert(kQRegSteps * 16 == kSlabDims, "the register k-steps are exactly q'
 // The order of a warpgroup's step u (KDTREE_SEESAW_ORDER):
 // 0: its refill, the other warpgroup's P V (u - 1), S (u), softmax (u), P V (u): S (u) waits behind P (u - 1);
 // 1: its refill, S (u) as soon as its keys land, then the other's P V (u - 1), which runs while the softmax (u) does;
-// 2: as 1 with the other's P V (u - 1) issued beside S (u), before S is done.
+// 2: S (u) as soon as its keys land, then the other's P V (u - 1) beside it (its O rescale, where one is needed, after a
+//    wait), then the softmax (u).
 // (Measured and removed, session 24 call 3: S (u) first and the other's P V (u - 1) after the softmax, 11-16% slower
 // than 0.)
 #ifndef KDTREE_SEESAW_ORDER
@@ -236,14 +237,21 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
 
     // P V of the other warpgroup's step v (its P, alpha and m, published on p_full), after this warpgroup's previous
     // P V (waited for here with `wait`): returns with that product issued and committed
-    auto pv_other = [&](int v, bool wait) {
+    auto pv_other = [&](int v, bool wait, bool wait_to_rescale = false) {
       mbar_wait(&sm.p_full[1 - w], (pf_bits >> (1 - w)) & 1u);
       pf_bits ^= 1u << (1 - w);
       m_prev[0] = sm.m[1 - w][wrow + g];
       m_prev[1] = sm.m[1 - w][wrow + g + 8];
       const float a0 = sm.alpha[1 - w][wrow + g], a1 = sm.alpha[1 - w][wrow + g + 8];
       if (wait) wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
-      wg::rescale_o(o, a0, a1);
+      if (wait_to_rescale) {   // (order 2: S (u) is in flight; ptxas lets O be read only behind a wait in the same path)
+        if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
+          wg::wg_wait0();
+          wg::rescale_o(o, a0, a1);
+        }
+      } else {
+        wg::rescale_o(o, a0, a1);
+      }
       const uint64_t pd = SmemDesc(smem_u32(p_buf(sm, 1 - w)), 16, 1024).at(0);
       const SmemDesc vd(smem_u32(&sm.kv[v & 1][0]) + (4 * w) * kSlabBytes, kSlabBytes, 1024);
       wg::wg_fence();
@@ -304,9 +312,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         wg::wg_wait0();   // S (u)
         if (u >= 1) pv_other(u - 1, false);   // (this warpgroup's P V (u - 2) is done: step 1)
       } else {
-        if (u >= 1) pv_other(u - 1, false);   // beside S (u); (this warpgroup's P V (u - 2) is done: step 1)
-        else wg::wg_commit();                 // (an empty group: the wait below is the same on every step)
-        wg::wg_wait_group<1>();   // S (u)
+        if (u >= 1) {
+          pv_other(u - 1, false, true);   // beside S (u); (this warpgroup's P V (u - 2) is done: step 1)
+          wg::wg_wait_group<1>();   // S (u)
+        } else {
+          wg::wg_wait0();   // S (0)
+        }
       }
       KDTREE_STRACE(6);
       // 5. softmax (u): P (u) into this warpgroup's P buffer, alpha and m beside it (orders 1, 2: while the other
