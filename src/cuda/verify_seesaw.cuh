@@ -13,12 +13,18 @@
 // - Each warpgroup holds O for value columns [256 w, 256 w + 256) (128 fp32 per thread) and, for every step in
 //   order, O = alpha_u O + P_u V_u as 4 wgmma m64n256k16.
 // - Each warpgroup copies the V slabs it reads (4 of the 9 slabs) of every step, and the owner the rope slab, once
-//   its own P V of the step before in that buffer is done: no warpgroup waits for the other's P V before a refill.
+//   its own P V of the step before in that buffer is done: no warpgroup waits for the other's P V before a refill
+//   (in the dual kernel the same per-warpgroup refill, KDTREE_DUAL_OWN_SLABS, was 1-9% slower: history 149).
 // - P buffers: buffer 0 in its own 8 KB, buffer 1 where q's rope slab was (that slab goes to registers at the item's
 //   start); shared memory holds nothing else of size.
-// Expected (arithmetic, PERF_LOG history 149): ~152 KB of shared-memory traffic per 32 keys against the dual kernel's
-// ~180, and a buffer's chain S -> softmax -> P V -> refill -> flight of ~4,300-4,800 clocks per two steps (~1,100-1,200
-// per 32 keys) against the pipe's ~1,090.
+// Predicted (arithmetic): ~152 KB of shared-memory traffic per 32 keys against the dual kernel's ~180, and a
+// buffer's chain S -> softmax -> P V -> refill -> flight of ~4,300-4,800 clocks per two steps (~1,100-1,200 per 32
+// keys). Measured (H200, session 24, PERF_LOG history 150-153): correct (kernel tests, racecheck split / many,
+// memcheck and synccheck split clean) and 23.5% fewer shared-memory wavefronts than the dual kernel (ncu), but 1.8-2.0%
+// slower at H16 N9 P131072 (126.2 against 123.7 us) and 2-7% elsewhere: the trace's period is ~4,110 clocks per
+// 64-key step (~2,055 per 32 keys, the dual kernel's), a chain through both warpgroups: P (u - 1) published ->
+// P V (u - 1) issued (~760) -> S (u) issued (~1,510, behind the P V on the tensor pipe) and done (~1,040) -> softmax
+// (~640) -> P (u). So it is never chosen unless asked for.
 #pragma once
 
 #include "verify_wgmma.cuh"
@@ -43,18 +49,11 @@ constexpr int kPvSteps = kStepN / 16;              // 4
 static_assert(kPBytes == kQSlabBytes, "P buffer 1 takes the place of q's rope slab");
 static_assert(kQRegSteps * 16 == kSlabDims, "the register k-steps are exactly q's last slab");
 
-// The order of a warpgroup's step u (KDTREE_SEESAW_ORDER):
-// 0: its refill, the other warpgroup's P V (u - 1), S (u), softmax (u), P V (u): S (u) waits behind P (u - 1);
-// 1: its refill, S (u) as soon as its keys land, then the other's P V (u - 1), which runs while the softmax (u) does;
-// 2: S (u) as soon as its keys land, then the other's P V (u - 1) beside it (its O rescale, where one is needed, after a
-//    wait), then the softmax (u).
-// (Measured and removed, session 24 call 3: S (u) first and the other's P V (u - 1) after the softmax, 11-16% slower
-// than 0.)
-#ifndef KDTREE_SEESAW_ORDER
-#define KDTREE_SEESAW_ORDER 0
-#endif
-constexpr int kOrder = KDTREE_SEESAW_ORDER;
-static_assert(kOrder >= 0 && kOrder <= 2, "KDTREE_SEESAW_ORDER: 0, 1 or 2");
+// A warpgroup's step u: its refill, the other warpgroup's P V (u - 1), S (u), softmax (u), P V (u), so S (u) waits
+// behind P (u - 1). Measured and removed (session 24, calls 3-5, PERF_LOG history 151-153): S (u) as soon as its keys
+// land, with the other's P V (u - 1) after the softmax (u) (+11 to +16%), beside the softmax (+2 to +11%), or beside S
+// (u) (+1 to +6%). (ptxas serialises every wgmma of the kernel when a wait for the other's P V sits behind a test
+// other than the one that issued it, C7514, or when O is rescaled while S is in flight without a wait in that path.)
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarStage = 1;   // the item's rows staged for the store (store_o_rows_staged), all 256 threads
@@ -129,9 +128,9 @@ __device__ __forceinline__ void copy_step(Smem& sm, const Params& prm, const Ite
 }
 
 #ifdef KDTREE_EXP_TRACE   // profiling aid: block 0's stamps per 64-key step u, by the owner's first warp (wg::trace,
-// printed after the call): 0 step start, 1 own refill issued, 2 the other's P V (u - 1) issued (order 0), 3 keys
-// landed, 4 S issued, 5 P V (u - 1) done and the other's refill issued (order 0), 6 S done, 7 P published, 8 the other's
-// P V (u - 1) issued and done, its refill issued (order 1), 9 P V (u) issued
+// printed after the call): 0 step start, 1 own refill issued, 2 the other's P V (u - 1) issued, 3 keys landed, 4 S
+// issued, 5 P V (u - 1) done and the other's refill issued, 6 S done, 7 P published, 8 P written by all four warps,
+// 9 P V (u) issued
 #define KDTREE_STRACE(e)                                                                                \
   do {                                                                                                  \
     if (blockIdx.x == 0 && (tid & 127) == 0 && k < wg::trace::kItems && u < wg::trace::kTiles)          \
@@ -237,21 +236,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
 
     // P V of the other warpgroup's step v (its P, alpha and m, published on p_full), after this warpgroup's previous
     // P V (waited for here with `wait`): returns with that product issued and committed
-    auto pv_other = [&](int v, bool wait, bool wait_to_rescale = false) {
+    auto pv_other = [&](int v, bool wait) {
       mbar_wait(&sm.p_full[1 - w], (pf_bits >> (1 - w)) & 1u);
       pf_bits ^= 1u << (1 - w);
       m_prev[0] = sm.m[1 - w][wrow + g];
       m_prev[1] = sm.m[1 - w][wrow + g + 8];
       const float a0 = sm.alpha[1 - w][wrow + g], a1 = sm.alpha[1 - w][wrow + g + 8];
       if (wait) wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
-      if (wait_to_rescale) {   // (order 2: S (u) is in flight; ptxas lets O be read only behind a wait in the same path)
-        if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
-          wg::wg_wait0();
-          wg::rescale_o(o, a0, a1);
-        }
-      } else {
-        wg::rescale_o(o, a0, a1);
-      }
+      wg::rescale_o(o, a0, a1);
       const uint64_t pd = SmemDesc(smem_u32(p_buf(sm, 1 - w)), 16, 1024).at(0);
       const SmemDesc vd(smem_u32(&sm.kv[v & 1][0]) + (4 * w) * kSlabBytes, kSlabBytes, 1024);
       wg::wg_fence();
@@ -272,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
         step_slots(prm, cx, u + 1, i, slot);
       }
       KDTREE_STRACE(1);
-      // 2. (order 0) P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile)
-      if (kOrder == 0 && u >= 1) pv_other(u - 1, true);
+      // 2. P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile)
+      if (u >= 1) pv_other(u - 1, true);
       KDTREE_STRACE(2);
       // 3. S (u)
       mbar_wait_buffer(sm.full, full_bits, b);
@@ -301,27 +293,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
           step_slots(prm, cx, u + 2, i, slot);
         }
       };
-      if constexpr (kOrder == 0) {
-        if (u >= 1) {
-          wg::wg_wait_group<1>();   // all but S (u)
-          refill_other();
-        }
-        KDTREE_STRACE(5);
-        wg::wg_wait0();   // S (u)
-      } else if constexpr (kOrder == 1) {
-        wg::wg_wait0();   // S (u)
-        if (u >= 1) pv_other(u - 1, false);   // (this warpgroup's P V (u - 2) is done: step 1)
-      } else {
-        if (u >= 1) {
-          pv_other(u - 1, false, true);   // beside S (u); (this warpgroup's P V (u - 2) is done: step 1)
-          wg::wg_wait_group<1>();   // S (u)
-        } else {
-          wg::wg_wait0();   // S (0)
-        }
+      if (u >= 1) {
+        wg::wg_wait_group<1>();   // all but S (u)
+        refill_other();
       }
+      KDTREE_STRACE(5);
+      wg::wg_wait0();   // S (u)
       KDTREE_STRACE(6);
-      // 5. softmax (u): P (u) into this warpgroup's P buffer, alpha and m beside it (orders 1, 2: while the other
-      //    step's P V runs)
+      // 5. softmax (u): P (u) into this warpgroup's P buffer, alpha and m beside it
       float tmax[2];
       scale_mask_max<kStepN / 8>(prm, cx, H, cx.k0 + u * kStepN, wrow + g, c, sc, tmax);
       float m_run[2] = {m_prev[0], m_prev[1]};
@@ -347,16 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha and m by plain loads
       mbar_arrive(&sm.p_full[w]);
       KDTREE_STRACE(7);
-      if constexpr (kOrder == 0) {
-        bar_sync(kBarWg + w, 128);   // this warpgroup's P written (its own P V reads all 64 rows)
-      } else {
-        // P V (u - 1) done, then this warpgroup's V slabs of step u + 1 (the barrier also orders its P before its P V).
-        // The wait is unconditional: behind `u >= 1`, ptxas does not tie it to the product issued under the same
-        // test and serialises every wgmma of the kernel (C7514).
-        wg::wg_wait0();
-        if (u >= 1) refill_other();
-        else bar_sync(kBarWg + w, 128);
-      }
+      bar_sync(kBarWg + w, 128);   // this warpgroup's P written (its own P V reads all 64 rows)
       KDTREE_STRACE(8);
       // 6. P V (u), this warpgroup's half
       wg::rescale_o(o, alpha[0], alpha[1]);
