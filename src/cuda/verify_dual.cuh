@@ -237,15 +237,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
-      // the item index goes out on an mbarrier (release / acquire): with __syncthreads between the store
-      // and the loads, racecheck reported the pair as a race (session 9, as for the pingpong kernel's row
-      // sums, history 53); the __syncthreads that ends an item orders the slot's reuse two items later
-      if (tid == 0) {
-        sm.item[k & 1] = claim_item(prm, k);
-        mbar_arrive(&sm.item_full);
-      }
-      mbar_wait(&sm.item_full, k & 1);
-      const int item = sm.item[k & 1];
+      // (the item index goes out on an mbarrier: as for the pingpong kernel's row sums, history 53)
+      const int item = wg::fetch_item(prm, k, tid, sm.item, &sm.item_full);
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
@@ -261,14 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // or over the 256 score threads, all copies in flight at once
       const bool q_tma = !SRefill && !Pair && prm.q_tma;   // (the opt-in Pair kernel spilled 120 B with it)
       if (q_tma) {
-        if (tid == 0) {
-          mbar_arrive_expect_tx(&sm.q_land, kSlabs * kQSlabBytes);
-          const int y = cx.rp.qo_begin * H + cx.row0;   // the item's first row of the [T x H] rows
-#pragma unroll
-          for (int sl = 0; sl < kSlabs; ++sl)
-            tma_load_2d(&sm.q[sl * kQSlabBytes], &prm.q_map[sl == kSlabs - 1], sl == kSlabs - 1 ? 0 : sl * 64, y,
-                        &sm.q_land);
-        }
+        if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land);
       } else {
         wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
       }
@@ -294,19 +280,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       if constexpr (!SRefill) mbar_arrive(&sm.q_full);   // the value warpgroups may ask for the rest of the ring
       bar_sync(kBarScore, 256);
       KDTREE_DSTART(tid == 0, 3);
-      // q of S's last kQReg k-steps into registers (k-step ks: slab ks / 4, 16-byte chunks 2 (ks % 4) and + 1 of the
-      // rows' 128-byte lines, swizzled by row % 8); lane l addresses row l % 16 of the warp's, chunk + l / 16
+      // q of S's last kQReg k-steps into registers
       constexpr bool kQRegs = kQReg > 0 && !Pair && !SRefill;
       uint32_t qa[kQRegs ? kQReg : 1][4];
-      if constexpr (kQRegs) {
-        const int row = wrow + (lane & 15);
-#pragma unroll
-        for (int i = 0; i < kQReg; ++i) {
-          const int ks = kKSteps - kQReg + i;
-          const int ch = 2 * (ks & 3) + (lane >> 4);
-          ldmatrix_x4(qa[i], &sm.q[(ks >> 2) * kQSlabBytes + row * 128 + ((ch ^ (row & 7)) << 4)]);
-        }
-      }
+      if constexpr (kQRegs) wg::load_q_regs(qa, sm.q, wrow, lane);
 
       float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
       float l_own[2] = {0.f, 0.f};

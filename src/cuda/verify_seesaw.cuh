@@ -172,12 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
   uint32_t full_bits = 0u, pf_bits = 0u;
   const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
   for (int k = 0;; ++k) {
-    if (tid == 0) {   // (the item-end barriers order the slot's reuse two items later)
-      sm.item[k & 1] = claim_item(prm, k);
-      mbar_arrive(&sm.item_full);
-    }
-    mbar_wait(&sm.item_full, k & 1);
-    const int item = sm.item[k & 1];
+    const int item = wg::fetch_item(prm, k, tid, sm.item, &sm.item_full);
     if (item >= total) return;
     const ItemCtx cx = item_ctx<kBlockM, wg::kTileN>(prm, item);
     const int nu = (cx.ntiles + 1) / 2;   // 64-key steps
@@ -187,14 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
 
     // q: nine TMA boxes from one thread, or 16-byte copies over all threads
     if (prm.q_tma) {
-      if (tid == 0) {
-        mbar_arrive_expect_tx(&sm.q_land, kSlabs * kQSlabBytes);
-        const int y = cx.rp.qo_begin * H + cx.row0;
-#pragma unroll
-        for (int sl = 0; sl < kSlabs; ++sl)
-          tma_load_2d(&sm.q[sl * kQSlabBytes], &prm.q_map[sl == kSlabs - 1], sl == kSlabs - 1 ? 0 : sl * 64, y,
-                      &sm.q_land);
-      }
+      if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land);
     } else {
       wg::issue_q_copies(prm, cx, H, sm.q, tid, kThreads);
       cp_async_commit();
@@ -215,15 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
     }
     // q's rope slab (k-steps 32..35) into registers; then that slab is P buffer 1
     uint32_t qa[kQRegSteps][4];
-    {
-      const int row = wrow + (lane & 15);
-#pragma unroll
-      for (int j = 0; j < kQRegSteps; ++j) {
-        const int ks = kKSteps - kQRegSteps + j;
-        const int ch = 2 * (ks & 3) + (lane >> 4);
-        ldmatrix_x4(qa[j], &sm.q[(ks >> 2) * kQSlabBytes + row * 128 + ((ch ^ (row & 7)) << 4)]);
-      }
-    }
+    wg::load_q_regs(qa, sm.q, wrow, lane);
     __syncthreads();   // every thread's rope of q read: P buffer 1 may be written
 
     float o[128];

@@ -236,6 +236,45 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
   }
 }
 
+// The block's k-th work item (claim_item) from thread `tid` 0 to every thread that calls this, through slot k % 2 of
+// `item` and the mbarrier `full` (one arrival per item; release / acquire: with __syncthreads between the store and the
+// loads, racecheck reported the pair as a race, session 9). The barriers that end an item order a slot's reuse two
+// items later.
+__device__ __forceinline__ int fetch_item(const Params& prm, int k, int tid, int (&item)[2], unsigned long long* full) {
+  if (tid == 0) {
+    item[k & 1] = claim_item(prm, k);
+    mbar_arrive(full);
+  }
+  mbar_wait(full, k & 1);
+  return item[k & 1];
+}
+
+// q of a 64-row item by TMA, from one thread: nine boxes (64 rows x one 64-column slab each) of the call's two tensor
+// maps (q_nope, q_pe as T x H rows) into `q` (9 slabs of 64 x 128 B, 128-byte swizzle), completing on `land` with their
+// bytes. Rows past the tensor's last are zeros; rows of the next request are padding rows, computed and dropped.
+__device__ __forceinline__ void issue_q_tma(const Params& prm, const ItemCtx& cx, int H, unsigned char* q,
+                                            unsigned long long* land) {
+  mbar_arrive_expect_tx(land, kSlabs * kBlockM * 128);
+  const int y = cx.rp.qo_begin * H + cx.row0;   // the item's first row of the [T x H] rows
+#pragma unroll
+  for (int sl = 0; sl < kSlabs; ++sl)
+    tma_load_2d(q + sl * kBlockM * 128, &prm.q_map[sl == kSlabs - 1], sl == kSlabs - 1 ? 0 : sl * 64, y, land);
+}
+
+// q's last N k-steps (of kKSteps) into registers for wgmma RS: k-step ks is in slab ks / 4, 16-byte chunks 2 (ks % 4)
+// and + 1 of the rows' 128-byte lines, swizzled by row % 8; lane l addresses row l % 16 of the warp's 16 (wrow ..),
+// chunk + l / 16 (mma.m16n8k16's A fragment, 4 registers per k-step).
+template <int N>
+__device__ __forceinline__ void load_q_regs(uint32_t (&qa)[N][4], const unsigned char* q, int wrow, int lane) {
+  const int row = wrow + (lane & 15);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int ks = kKSteps - N + i;
+    const int ch = 2 * (ks & 3) + (lane >> 4);
+    ldmatrix_x4(qa[i], q + (ks >> 2) * kBlockM * 128 + row * 128 + ((ch ^ (row & 7)) << 4));
+  }
+}
+
 // Chunk cc (0..7) of each of the 9 slabs of key kt of tile t (TileN keys: 32, or the skinny kernel's 64) into the
 // key buffer at shared address `kv`, in the 128-byte swizzled layout, [slab][key][128 B] (zero-fill past the split
 // end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key. SlabStride: the
