@@ -20,10 +20,10 @@
 // Predicted (arithmetic): ~152 KB of shared-memory traffic per 32 keys against the dual kernel's ~180, and a
 // buffer's chain S -> softmax -> P V -> refill -> flight of ~4,300-4,800 clocks per two steps (~1,100-1,200 per 32
 // keys). Measured (H200, session 24, PERF_LOG history 150-153): correct (kernel tests, racecheck split / many,
-// memcheck and synccheck split clean) and 23.5% fewer shared-memory wavefronts than the dual kernel (ncu), but 1.8-2.0%
-// slower at H16 N9 P131072 (126.2 against 123.7 us) and 2-7% elsewhere: the trace's period is ~4,110 clocks per
-// 64-key step (~2,055 per 32 keys, the dual kernel's), a chain through both warpgroups: P (u - 1) published ->
-// P V (u - 1) issued (~760) -> S (u) issued (~1,510, behind the P V on the tensor pipe) and done (~1,040) -> softmax
+// memcheck and synccheck split clean) and 23.5% fewer shared-memory wavefronts than the dual kernel (ncu), but 0.7-2.0%
+// slower at H16 N9 P131072 (126.2 against 123.7 us) and up to 7% elsewhere: the trace's period is ~4,120 clocks per
+// 64-key step (~2,060 per 32 keys, the dual kernel's), a chain through both warpgroups: P (u - 1) published ->
+// P V (u - 1) issued (~760) -> S (u) issued (~1,600, behind the P V on the tensor pipe) and done (~1,020) -> softmax
 // (~640) -> P (u). So it is never chosen unless asked for.
 #pragma once
 
