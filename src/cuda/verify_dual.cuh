@@ -396,25 +396,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // them to its own at the larger reference and stores the rows' sums for the value warpgroups
       quad_sum_rows(l_own);
       if (s == 1) {
-        if (c == 0) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            sm.xl[wrow + g + half * 8] = l_own[half];
-            sm.xmu[wrow + g + half * 8] = mu[half];
-          }
-        }
+        wg::put_row_sums(sm.xl, sm.xmu, wrow, g, c, l_own, mu);
         mbar_arrive(&sm.l_full);
       } else {
         mbar_wait(&sm.l_full, k & 1);
         float m_fin[2], l_fin[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = wrow + g + half * 8;
-          const float xmu = sm.xmu[r], xl = sm.xl[r];
-          m_fin[half] = fmaxf(mu[half], xmu);   // mu[half] is finite: warpgroup 0 owns tile 0
-          l_fin[half] = l_own[half] * fast_exp2(mu[half] - m_fin[half]) + xl * fast_exp2(xmu - m_fin[half]);
-          if (c == 0) sm.row_l[r] = l_fin[half];
-        }
+        wg::merge_row_sums(sm.xl, sm.xmu, wrow, g, c, l_own, mu, m_fin, l_fin, sm.row_l);
         bar_arrive(kBarBlock, 128 + kValueThreads);   // row_l stored (the value side waits, this side need not)
         if (cx.rp.nsplit > 1 && c == 0) {
 #pragma unroll

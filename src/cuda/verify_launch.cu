@@ -222,7 +222,8 @@ DeviceInfo device_info(int dev, int* status) {
 #ifdef KDTREE_HAVE_SM90A
     if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes &&
         (size_t)optin >= kdtree::wg::kSmemBytes && (size_t)optin >= kdtree::pp::kSmemBytes &&
-        (size_t)optin >= kdtree::sk::kSmemBytes && (size_t)optin >= kdtree::tr::kSmemBytes)
+        (size_t)optin >= kdtree::sk::kSmemBytes && (size_t)optin >= kdtree::tr::kSmemBytes &&
+        (size_t)optin >= kdtree::seesaw::kSmemBytes)
       kernel = kDual;
 #endif
     if (kernel == kDual) {
@@ -233,7 +234,7 @@ DeviceInfo device_info(int dev, int* status) {
       if (env_is("KDTREE_SPLIT_KERNEL", "trans")) kernel = kTrans;
       if (env_is("KDTREE_SPLIT_KERNEL", "pair")) kernel = kDualPair;
       if (env_is("KDTREE_SPLIT_KERNEL", "srefill")) kernel = kDualSRefill;
-      if (env_is("KDTREE_SPLIT_KERNEL", "seesaw") && (size_t)optin >= kdtree::seesaw::kSmemBytes) kernel = kSeesaw;
+      if (env_is("KDTREE_SPLIT_KERNEL", "seesaw")) kernel = kSeesaw;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
@@ -541,7 +542,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  // (the default dual kernel, alone or in a mixed call, is the one that reads them; pair and srefill copy q)
+  // (the default dual kernel, alone or in a mixed call, and the seesaw kernel read them; pair and srefill copy q)
   prm.q_tma = dev.q_tma && (call == kDual || call == kMixed || call == kSeesaw) && build_q_maps(prm, p);
 
   const bool pdl = dev.pdl;

@@ -214,22 +214,26 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
     float l_own[2] = {0.f, 0.f};
     float sc[32];
 
-    // P V of the other warpgroup's step v (its P, alpha and m, published on p_full), after this warpgroup's previous
-    // P V (waited for here with `wait`): returns with that product issued and committed
-    auto pv_other = [&](int v, bool wait) {
-      mbar_wait(&sm.p_full[1 - w], (pf_bits >> (1 - w)) & 1u);
-      pf_bits ^= 1u << (1 - w);
-      m_prev[0] = sm.m[1 - w][wrow + g];
-      m_prev[1] = sm.m[1 - w][wrow + g + 8];
-      const float a0 = sm.alpha[1 - w][wrow + g], a1 = sm.alpha[1 - w][wrow + g + 8];
-      if (wait) wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
-      wg::rescale_o(o, a0, a1);
-      const uint64_t pd = SmemDesc(smem_u32(p_buf(sm, 1 - w)), 16, 1024).at(0);
+    // O += P V of step v (this warpgroup's 256 value columns of buffer v % 2, P from `p`), issued and committed
+    auto pv = [&](int v, const unsigned char* p) {
+      const uint64_t pd = SmemDesc(smem_u32(p), 16, 1024).at(0);
       const SmemDesc vd(smem_u32(&sm.kv[v & 1][0]) + (4 * w) * kSlabBytes, kSlabBytes, 1024);
       wg::wg_fence();
 #pragma unroll
       for (int kk = 0; kk < kPvSteps; ++kk) wg::wgmma_m64n256k16_ss_bt(o, pd + ((kk * 32) >> 4), vd.at(kk * 16 * 128), 1);
       wg::wg_commit();
+    };
+    // P V of the other warpgroup's step v (its P, alpha and m, published on p_full), after this warpgroup's previous
+    // P V
+    auto pv_other = [&](int v) {
+      mbar_wait(&sm.p_full[1 - w], (pf_bits >> (1 - w)) & 1u);
+      pf_bits ^= 1u << (1 - w);
+      m_prev[0] = sm.m[1 - w][wrow + g];
+      m_prev[1] = sm.m[1 - w][wrow + g + 8];
+      const float a0 = sm.alpha[1 - w][wrow + g], a1 = sm.alpha[1 - w][wrow + g + 8];
+      wg::wg_wait0();   // this warpgroup's P V of the step before (O is its accumulator)
+      wg::rescale_o(o, a0, a1);
+      pv(v, p_buf(sm, 1 - w));
     };
 
     for (int u = w; u < nu; u += 2) {
@@ -245,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       }
       KDTREE_STRACE(1);
       // 2. P V of the other warpgroup's step u - 1 (its P came while this one waited for its tile)
-      if (u >= 1) pv_other(u - 1, true);
+      if (u >= 1) pv_other(u - 1);
       KDTREE_STRACE(2);
       // 3. S (u)
       mbar_wait_buffer(sm.full, full_bits, b);
@@ -266,16 +270,13 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       }
       KDTREE_STRACE(4);
       // 4. the other's buffer: this warpgroup's V slabs of step u + 1, once its P V (u - 1) is done
-      auto refill_other = [&]() {
+      if (u >= 1) {
+        wg::wg_wait_group<1>();   // all but S (u)
         bar_sync(kBarWg + w, 128);
         if (u + 1 < nu) {
           copy_step(sm, prm, cx, u + 1, nu, w, i, slot, false);
           step_slots(prm, cx, u + 2, i, slot);
         }
-      };
-      if (u >= 1) {
-        wg::wg_wait_group<1>();   // all but S (u)
-        refill_other();
       }
       KDTREE_STRACE(5);
       wg::wg_wait0();   // S (u)
@@ -310,43 +311,29 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       KDTREE_STRACE(8);
       // 6. P V (u), this warpgroup's half
       wg::rescale_o(o, alpha[0], alpha[1]);
-      {
-        const uint64_t pd = SmemDesc(smem_u32(pb), 16, 1024).at(0);
-        const SmemDesc vd(smem_u32(&sm.kv[b][0]) + (4 * w) * kSlabBytes, kSlabBytes, 1024);
-        wg::wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < kPvSteps; ++kk)
-          wg::wgmma_m64n256k16_ss_bt(o, pd + ((kk * 32) >> 4), vd.at(kk * 16 * 128), 1);
-        wg::wg_commit();
-      }
+      pv(u, pb);
       KDTREE_STRACE(9);
     }
     // the other warpgroup's last step, if it has the item's last
-    if (((nu - 1) & 1) != w) pv_other(nu - 1, true);
+    if (((nu - 1) & 1) != w) pv_other(nu - 1);
     wg::wg_wait0();
 
     // end of the item: the rows' sums (each warpgroup's relative to its latest m_use), merged by warpgroup 0
     quad_sum_rows(l_own);
-    if (w == 1 && c == 0) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        sm.xl[wrow + g + half * 8] = l_own[half];
-        sm.xmu[wrow + g + half * 8] = mu[half];
-      }
+    if (w == 1) {
+      wg::put_row_sums(sm.xl, sm.xmu, wrow, g, c, l_own, mu);
+      mbar_arrive(&sm.l_full);
     }
-    if (w == 1) mbar_arrive(&sm.l_full);
     __syncthreads();   // (also: every P V is done, no copy is in flight: the ring may take the staged rows)
     if (w == 0) {
       mbar_wait(&sm.l_full, k & 1);
+      float m_fin[2], l_fin[2];
+      wg::merge_row_sums(sm.xl, sm.xmu, wrow, g, c, l_own, mu, m_fin, l_fin, sm.row_l);
+      if (cx.rp.nsplit > 1 && c == 0) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wrow + g + half * 8;
-        const float xmu = sm.xmu[r], xl = sm.xl[r];
-        const float m_fin = fmaxf(mu[half], xmu);   // mu[half] is finite: warpgroup 0 owns step 0
-        const float l_fin = l_own[half] * fast_exp2(mu[half] - m_fin) + xl * fast_exp2(xmu - m_fin);
-        if (c == 0) {
-          sm.row_l[r] = l_fin;
-          if (cx.rp.nsplit > 1 && r < cx.rows) write_partial_lse(prm, cx, H, r, m_fin, l_fin);
+        for (int half = 0; half < 2; ++half) {
+          const int r = wrow + g + half * 8;
+          if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_fin[half], l_fin[half]);
         }
       }
       mbar_arrive(&sm.r_full);

@@ -249,6 +249,33 @@ __device__ __forceinline__ int fetch_item(const Params& prm, int k, int tid, int
   return item[k & 1];
 }
 
+// End of an item in a kernel whose two warpgroups each keep row sums of their own steps relative to their own latest
+// m_use (the dual kernel's score warpgroups, the seesaw kernel's two): the second one's sums (already summed over the
+// quad) and references into xl / xmu for the first's rows, by the quad's thread c == 0 ...
+__device__ __forceinline__ void put_row_sums(float* xl, float* xmu, int wrow, int g, int c, const float (&l)[2],
+                                             const float (&mu)[2]) {
+  if (c != 0) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    xl[wrow + g + half * 8] = l[half];
+    xmu[wrow + g + half * 8] = mu[half];
+  }
+}
+// ... and the first one's merge of them with its own at the larger reference: the rows' final m and l (its mu is
+// finite: the first warpgroup owns the item's first step), l also into row_l by the quad's thread c == 0.
+__device__ __forceinline__ void merge_row_sums(const float* xl, const float* xmu, int wrow, int g, int c,
+                                               const float (&l)[2], const float (&mu)[2], float (&m_fin)[2],
+                                               float (&l_fin)[2], float* row_l) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wrow + g + half * 8;
+    const float xm = xmu[r], xs = xl[r];
+    m_fin[half] = fmaxf(mu[half], xm);
+    l_fin[half] = l[half] * fast_exp2(mu[half] - m_fin[half]) + xs * fast_exp2(xm - m_fin[half]);
+    if (c == 0) row_l[r] = l_fin[half];
+  }
+}
+
 // q of a 64-row item by TMA, from one thread: nine boxes (64 rows x one 64-column slab each) of the call's two tensor
 // maps (q_nope, q_pe as T x H rows) into `q` (9 slabs of 64 x 128 B, 128-byte swizzle), completing on `land` with their
 // bytes. Rows past the tensor's last are zeros; rows of the next request are padding rows, computed and dropped.
