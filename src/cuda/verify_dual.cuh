@@ -366,11 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         // this warpgroup's sums move from its previous step's reference to this one's
         float lfac[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          lfac[half] = fast_exp2(mu[half] - m_use[half]);
-          mu[half] = m_use[half];
-        }
+        move_sums_reference(mu, m_use, lfac);
         if (u >= 2) {   // the value warpgroups are done with this warpgroup's previous P and alpha
           mbar_wait(&sm.p_empty[s], pe_parity);
           pe_parity ^= 1u;
@@ -403,13 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         float m_fin[2], l_fin[2];
         wg::merge_row_sums(sm.xl, sm.xmu, wrow, g, c, l_own, mu, m_fin, l_fin, sm.row_l);
         bar_arrive(kBarBlock, 128 + kValueThreads);   // row_l stored (the value side waits, this side need not)
-        if (cx.rp.nsplit > 1 && c == 0) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = wrow + g + half * 8;
-            if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_fin[half], l_fin[half]);
-          }
-        }
+        write_partial_lse_rows(prm, cx, H, wrow + g, c, m_fin, l_fin);
       }
       sync_block_roles();   // the item's shared memory is consumed before the next item starts
 #ifdef KDTREE_EXP_TRACE

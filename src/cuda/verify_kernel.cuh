@@ -833,6 +833,16 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
   }
 }
 
+// A warpgroup's own row sums move from its previous step's reference mu to this step's m_use: lfac is the factor that
+// rescales them (softmax_p_pairs' alpha, where each of two warpgroups keeps sums of its own steps).
+__device__ __forceinline__ void move_sums_reference(float (&mu)[2], const float (&m_use)[2], float (&lfac)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    lfac[half] = fast_exp2(mu[half] - m_use[half]);
+    mu[half] = m_use[half];
+  }
+}
+
 // The tile's P = 2^(score - m_use) for the thread's 4 x Groups scores, as bf16 pairs handed to sink(j, half, pair)
 // (key group j, row r0 / r0 + 8 for half 0 / 1, keys 2c / 2c + 1), and the rows' running sums advanced:
 // l = alpha * l + this thread's part of the tile's row sums.
@@ -859,6 +869,18 @@ __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemC
   prm.partial_lse[partial_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
+// The partial log2-sum-exps of a split item's rows r0 and r0 + 8 (those inside the tile), by the quad's thread c == 0.
+__device__ __forceinline__ void write_partial_lse_rows(const Params& prm, const ItemCtx& cx, int H, int r0, int c,
+                                                       const float (&m)[2], const float (&l)[2]) {
+  if (cx.rp.nsplit > 1 && c == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + half * 8;
+      if (r < cx.rows) write_partial_lse(prm, cx, H, r, m[half], l[half]);
+    }
+  }
+}
+
 // A thread's partial row sums of its two rows (a quad of threads holds each row's columns) reduced over the quad.
 __device__ __forceinline__ void quad_sum_rows(float (&l)[2]) {
 #pragma unroll
@@ -883,13 +905,7 @@ __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx
     row_l[wrow + g + 8] = l_run[1];
   }
   bar();
-  if (cx.rp.nsplit > 1 && c == 0) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = wrow + g + half * 8;
-      if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_run[half], l_run[half]);
-    }
-  }
+  write_partial_lse_rows(prm, cx, H, wrow + g, c, m_run, l_run);
 }
 
 // An item's result rows on their way out through shared memory (session 18): row r at r * 1 KB (512 bf16), its 16-byte

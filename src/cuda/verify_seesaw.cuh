@@ -288,11 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       float m_use[2], alpha[2];
       softmax_advance(tmax, m_run, m_use, alpha);
       float lfac[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        lfac[half] = fast_exp2(mu[half] - m_use[half]);
-        mu[half] = m_use[half];
-      }
+      move_sums_reference(mu, m_use, lfac);
       unsigned char* const pb = p_buf(sm, w);
       softmax_p_pairs<kStepN / 8>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
         const int row = wrow + g + half * 8;
@@ -329,13 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_seesaw_kernel
       mbar_wait(&sm.l_full, k & 1);
       float m_fin[2], l_fin[2];
       wg::merge_row_sums(sm.xl, sm.xmu, wrow, g, c, l_own, mu, m_fin, l_fin, sm.row_l);
-      if (cx.rp.nsplit > 1 && c == 0) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = wrow + g + half * 8;
-          if (r < cx.rows) write_partial_lse(prm, cx, H, r, m_fin[half], l_fin[half]);
-        }
-      }
+      write_partial_lse_rows(prm, cx, H, wrow + g, c, m_fin, l_fin);
       mbar_arrive(&sm.r_full);
     } else {
       mbar_wait(&sm.r_full, k & 1);
