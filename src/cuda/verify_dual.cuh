@@ -48,6 +48,38 @@ using wg::kValueThreads;
 constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
 constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups
 constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads per SM
+// A producer warpgroup (KDTREE_DUAL_PRODUCER, session 25, the default; 0: session 23's four warpgroups): a fifth
+// warpgroup gathers every key tile, so the value warpgroups only wait for P, rescale O and run P V (session 23's trace:
+// the next tile's 9 cp.async per value thread took ~810 of their ~1,800 busy clocks per tile). A value thread arrives
+// on empty[b] once its P V of buffer b is done; the producer refills the buffer when all 256 have. ptxas sizes a
+// setmaxnreg kernel's launch for whole warpgroups (640 threads: 96 registers; a 17th warp alone would launch the block
+// at 96 as well and leave nothing to give the value warpgroups), so the producer is a whole warpgroup, 2 keys per
+// thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (32), score warpgroups
+// KDTREE_DUAL_PRODUCER_SCORE_REGS (64: no k-steps of q in registers, KDTREE_DUAL_QREG 0), value warpgroups
+// KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap again
+// (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation (not Pair, not SRefill) takes it.
+// Measured (H200, session 25, PERF_LOG history 154-155; A/B within one run, means of two, against session 23's
+// default): the producer alone (S in turn, QREG 0) +0.5 to +2.9% (the value side's copies were not what set the
+// period; QREG 0 alone +0.6 to +2.9%); with S overlapped -1.6% at H16 N9 P131072 (122.4 against 124.3 us), -2.1% at
+// P185000, -1.2% H128 N9, -0.7% B8, +0.6% P8192.
+#ifndef KDTREE_DUAL_PRODUCER
+#define KDTREE_DUAL_PRODUCER 1
+#endif
+#ifndef KDTREE_DUAL_PRODUCER_REGS
+#define KDTREE_DUAL_PRODUCER_REGS 32
+#endif
+#ifndef KDTREE_DUAL_PRODUCER_SCORE_REGS
+#define KDTREE_DUAL_PRODUCER_SCORE_REGS 64
+#endif
+#ifndef KDTREE_DUAL_PRODUCER_VALUE_REGS
+#define KDTREE_DUAL_PRODUCER_VALUE_REGS 160
+#endif
+static_assert(KDTREE_DUAL_PRODUCER == 0 || KDTREE_DUAL_PRODUCER == 1, "KDTREE_DUAL_PRODUCER: 0 or 1");
+template <bool Pair, bool SRefill> constexpr bool kProducer = KDTREE_DUAL_PRODUCER && !Pair && !SRefill;
+template <bool Pair, bool SRefill> constexpr int kThreadsOf = kProducer<Pair, SRefill> ? kThreads + 128 : kThreads;
+template <bool Pair, bool SRefill> constexpr int kLaunchRegsOf = (65536 / kThreadsOf<Pair, SRefill>) / 8 * 8;
+constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)
+constexpr int kProducerRegs = KDTREE_DUAL_PRODUCER_REGS;
 // setmaxnreg: 2 x 96 + 2 x 160 = 512 = 4 x 128 (the launch's): the score warpgroups hold 16 scores and 32 registers
 // of q per thread (KDTREE_DUAL_QREG); 2 x 88 + 2 x 168 without q in registers. With Pair they hold 32 scores per
 // thread, not 16, and with SRefill they gather the keys: 2 x 96 + 2 x 160.
@@ -55,16 +87,27 @@ constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads 
 // Each score thread holds 4 registers of q per such k-step for the whole item, loaded by ldmatrix once q has landed.
 // Those k-steps read 1 KB of keys from shared memory instead of 3 KB: at 32 keys S is bound by its q reads, 192 B per
 // clock of shared memory's 128. Measured (H200, history 147): 8 -1.3 to -2.2% on every benchmark shape, 4 -0.9 to
-// -1.8%; 9 or more spill at 96 registers, and the value warpgroups spill below 160.
+// -1.8%; 9 or more spill at 96 registers, and the value warpgroups spill below 160. With the producer warpgroup (its
+// score warpgroups at 64 registers) 0: 1 already spills.
 #ifndef KDTREE_DUAL_QREG
-#define KDTREE_DUAL_QREG 8
+#define KDTREE_DUAL_QREG (KDTREE_DUAL_PRODUCER ? 0 : 8)
 #endif
 constexpr int kQReg = KDTREE_DUAL_QREG;
 static_assert(kQReg >= 0 && kQReg <= 8, "KDTREE_DUAL_QREG: 0 .. 8 k-steps");
-template <bool Pair, bool SRefill> constexpr int kScoreRegs = Pair || SRefill || kQReg > 0 ? 96 : 88;
-template <bool Pair, bool SRefill> constexpr int kValueRegs = Pair || SRefill || kQReg > 0 ? 160 : 168;
-static_assert(2 * kScoreRegs<false, false> + 2 * kValueRegs<false, false> <= 4 * kLaunchRegs, "register pool");
-static_assert(2 * kScoreRegs<true, true> + 2 * kValueRegs<true, true> <= 4 * kLaunchRegs, "register pool");
+template <bool Pair, bool SRefill>
+constexpr int kScoreRegs =
+    kProducer<Pair, SRefill> ? KDTREE_DUAL_PRODUCER_SCORE_REGS : Pair || SRefill || kQReg > 0 ? 96 : 88;
+template <bool Pair, bool SRefill>
+constexpr int kValueRegs =
+    kProducer<Pair, SRefill> ? KDTREE_DUAL_PRODUCER_VALUE_REGS : Pair || SRefill || kQReg > 0 ? 160 : 168;
+// what the score (and producer) warpgroups give back must cover what the value warpgroups take (setmaxnreg.inc waits
+// for it: the block's pool is what it got at launch)
+template <bool Pair, bool SRefill>
+constexpr bool kRegPoolFits =
+    2 * (kValueRegs<Pair, SRefill> - kLaunchRegsOf<Pair, SRefill>) <=
+    2 * (kLaunchRegsOf<Pair, SRefill> - kScoreRegs<Pair, SRefill>) +
+        (kProducer<Pair, SRefill> ? kLaunchRegsOf<Pair, SRefill> - kProducerRegs : 0);
+static_assert(kRegPoolFits<false, false> && kRegPoolFits<true, false> && kRegPoolFits<false, true>, "register pool");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 constexpr int kQFirst = wg::kQFirst;
@@ -81,9 +124,10 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 // shapes (H16 N9 P131072 127.2 against 129.9 us, P185000 168.7 / 172.7, H128 N9 P32768 186.4 / 190.8, B8 274.7 /
 // 279.7), P8192 unchanged. Measured and removed (commits ee3fc9b, 22060ef): S after the other's S alone (an mbarrier
 // arrived after its wgmma wait), every step or only an item's first two: -0.4 to -1.0% against 0; S after the other's
-// P as well (p_full): 14-19% slower.
+// P as well (p_full): 14-19% slower. With the producer warpgroup (session 25) 0 is the faster form again: -2.6 to -3.1%
+// against S in turn (history 155), so it is that form's default.
 #ifndef KDTREE_DUAL_S_SERIAL
-#define KDTREE_DUAL_S_SERIAL 1
+#define KDTREE_DUAL_S_SERIAL (KDTREE_DUAL_PRODUCER ? 0 : 1)
 #endif
 constexpr bool kSSerial = KDTREE_DUAL_S_SERIAL;
 static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DUAL_S_SERIAL: 0 or 1");
@@ -190,8 +234,11 @@ constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
 template <bool Pair, bool SRefill>
-__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
+__global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
+    kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
   static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
+  constexpr bool kProd = kProducer<Pair, SRefill>;
+  constexpr int kRegs0 = kLaunchRegsOf<Pair, SRefill>;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
@@ -212,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
 
   if (tid == 0) {
     for (int b = 0; b < kStages; ++b) {
-      mbar_init(&sm.full[b], SRefill ? 128 : kValueThreads);
+      mbar_init(&sm.full[b], SRefill || kProd ? 128 : kValueThreads);
       mbar_init(&sm.empty[b], kValueThreads);
     }
     for (int i = 0; i < 2; ++i) {
@@ -230,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
 
   if (warp < 8) {
     // =========================== score warpgroups ===========================
-    wg::set_max_regs<kScoreRegs<Pair, SRefill>, kLaunchRegs>();
+    wg::set_max_regs<kScoreRegs<Pair, SRefill>, kRegs0>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
     uint32_t empty_bits = 0u;   // SRefill
@@ -256,7 +303,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       if (q_tma) {
         if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land);
       } else {
-        wg::issue_q_copies(prm, cx, H, sm.q, tid, 256);
+        // (with the producer the score warpgroups hold 64 registers: the thread index read again per item, so that
+        // ptxas does not keep this path's per-thread addresses live across the item loop, which spilled them)
+        wg::issue_q_copies(prm, cx, H, sm.q, kProd ? thread_index_now() : tid, 256);
       }
       KDTREE_DSTART(tid == 0, 1);
       if (q_tma) {
@@ -410,9 +459,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       }
 #endif
     }
-  } else {
+  } else if (!kProd || warp < 16) {
     // =========================== value warpgroups ===========================
-    wg::set_max_regs<kValueRegs<Pair, SRefill>, kLaunchRegs>();
+    wg::set_max_regs<kValueRegs<Pair, SRefill>, kRegs0>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
@@ -431,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
 
       // prologue: tiles 0 .. kStages-1 on their way, the slot ids of tiles 0 .. kStages loaded together
       long long slot[1] = {0};
-      if constexpr (!SRefill) {
+      if constexpr (!SRefill && !kProd) {
         long long slots[kStages + 1][1];
 #pragma unroll
         for (int t = 0; t <= kStages; ++t) wg::tile_slots<1>(prm, cx, t, vt, slots[t]);
@@ -496,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           if (warp == 8) KDTREE_DTRACE(10);   // P V issued
           // while P V runs (earlier, before P V or before the wait for P, is slower: branch
           // next/dual-refill-placement, history 77 and 80; before P V again in session 23, +5 to +13.5%, history 147)
-          if (!SRefill && t > 0) refill(t);
+          if (!SRefill && !kProd && t > 0) refill(t);
           if (warp == 8) KDTREE_DTRACE(6);
           if (warp == 15) KDTREE_DTRACE(12);   // the last value warp's refill issued
           wg::wg_wait0();
@@ -504,8 +553,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         // release: its score warpgroup writes P / alpha again (after the step's last tile)
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
-        if constexpr (SRefill) {
-          if (t + kStages < nt) mbar_arrive(&sm.empty[b]);   // its score warpgroup refills it with tile t + 4
+        if constexpr (SRefill || kProd) {
+          if (t + kStages < nt) mbar_arrive(&sm.empty[b]);   // its score warpgroup / the producer refills it: tile t + 4
         } else {
           bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         }
@@ -527,6 +576,39 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
       // spilled)
       if (vt == 255) signal_item_done(prm, cx);
+    }
+  } else if constexpr (kProd) {
+    // =========================== producer warpgroup (KDTREE_DUAL_PRODUCER) ===========================
+    // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then
+    // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
+    // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the next tile's slot ids a tile
+    // ahead
+    wg::set_max_regs<kProducerRegs, kRegs0>();
+    const int pt = tid - 512;   // 0..127
+    uint32_t empty_bits = 0u, q_parity = 0u;
+    for (int k = 0;; ++k) {
+      mbar_wait(&sm.item_full, k & 1);   // the score side's item fetch (acquire)
+      const int item = sm.item[k & 1];
+      if (item >= total) return;
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const int nt = cx.ntiles;
+      long long slot[kProducerKeys], next[kProducerKeys];
+      wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
+      // (q_full completes once per item: waited once per item, also when the item has no more than kQFirst tiles)
+      const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
+      for (int t = 0; t < n_issue; ++t) {
+        wg::tile_slots<kProducerKeys>(prm, cx, t + 1, pt, next);
+        if (kQFirst < kStages && t == kQFirst) {
+          mbar_wait(&sm.q_full, q_parity);
+          q_parity ^= 1u;
+        }
+        const int b = t % kStages;
+        if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
+        gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+#pragma unroll
+        for (int h = 0; h < kProducerKeys; ++h) slot[h] = next[h];
+      }
+      sync_block_roles();   // the value side's staged store has left the ring before the next item's copies
     }
   }
 #else

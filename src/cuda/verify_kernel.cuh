@@ -618,6 +618,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, i
                ::"r"(smem_u32(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_u32(bar))
                : "memory");
 }
+// threadIdx.x read where it is used (a volatile read is not hoisted out of a loop): keeps ptxas from holding values
+// derived from it live across the loop where registers are short
+__device__ __forceinline__ int thread_index_now() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Named barriers: `count` threads take part; bar.arrive does not wait (producer side). bar.sync is the aligned form
