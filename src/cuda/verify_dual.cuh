@@ -150,6 +150,7 @@ struct Smem {
   unsigned long long item_full;       // the block's next work item stored: 1 arrival (release)
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
+  unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -271,6 +272,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     mbar_init(&sm.l_full, 128);
     mbar_init(&sm.item_full, 1);
     mbar_init(&sm.q_land, 1);
+    if (kProd) mbar_init(&sm.ring_free, kValueThreads);
     fence_proxy_async();
   }
   __syncthreads();
@@ -570,6 +572,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
 #else
       wg::store_o_rows(prm, cx, wrow, g, c, v, o, sm.row_l);
 #endif
+      if constexpr (kProd) mbar_arrive(&sm.ring_free);   // (release: this thread's reads of the ring are done)
       sync_block_roles();
       KDTREE_ITEM_STORE_END(vt == 255);
       // every partial of the item is stored (score warpgroup 0's log-sum-exps before the barrier, both value
@@ -594,6 +597,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       const int nt = cx.ntiles;
       long long slot[kProducerKeys], next[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
+      // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
+      // racecheck does not take a barrier between roles for a hand-off, history 53 / 156: an mbarrier it does)
+      if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
       // (q_full completes once per item: waited once per item, also when the item has no more than kQFirst tiles)
       const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
       for (int t = 0; t < n_issue; ++t) {
