@@ -18,9 +18,13 @@
 //   relative to its own latest max; score warpgroup 1 hands its sums to warpgroup 0 at the end of the
 //   item (l_full), which merges them.
 // - Value warpgroups v = 0, 1 (columns [256 v, 256 v + 256) of all 64 rows, 128 fp32 per thread): for
-//   every tile in order, O = alpha_t O + P_t V_t; they gather the keys as in the wgmma kernel (4 stages),
-//   but refill a buffer while the next tile's P V runs (after P V, the gather took ~600 of their clocks
-//   per tile in the wgmma kernel's trace, session 9): tiles up to t + 3 are in the ring during P V (t).
+//   every tile in order, O = alpha_t O + P_t V_t. With KDTREE_DUAL_PRODUCER=0 they gather the keys as in the
+//   wgmma kernel (4 stages), but refill a buffer while the next tile's P V runs (after P V, the gather took
+//   ~600 of their clocks per tile in the wgmma kernel's trace, session 9): tiles up to t + 3 are in the ring
+//   during P V (t).
+// - Since session 25 (the default, KDTREE_DUAL_PRODUCER) a fifth warpgroup, the producer, gathers every key tile
+//   into the same 4-stage ring instead, as soon as both value warpgroups are done with a buffer (640 threads;
+//   below).
 // Measured (H200, history 73-79): 4-6% faster than the wgmma kernel on every shape of the benchmark; the
 // score warpgroups now spend most of their time waiting for their tiles to land (463 MB into the SMs at 3.7
 // TB/s at H16 N9 P131072, about half what the SMs take in when nothing waits on the buffers: session 11,
@@ -59,7 +63,7 @@ constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads 
 // KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap again
 // (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation (not Pair, not SRefill) takes it.
 // Measured (H200, session 25, PERF_LOG history 154-155; A/B within one run, means of two, against session 23's
-// default): the producer alone (S in turn, QREG 0) +0.5 to +2.9% (the value side's copies were not what set the
+// default): the producer alone (S in turn, QREG 0) -0.5 to +2.9% (the value side's copies were not what set the
 // period; QREG 0 alone +0.6 to +2.9%); with S overlapped -1.6% at H16 N9 P131072 (122.4 against 124.3 us), -2.1% at
 // P185000, -1.2% H128 N9, -0.7% B8, +0.6% P8192.
 #ifndef KDTREE_DUAL_PRODUCER
@@ -124,8 +128,8 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 // shapes (H16 N9 P131072 127.2 against 129.9 us, P185000 168.7 / 172.7, H128 N9 P32768 186.4 / 190.8, B8 274.7 /
 // 279.7), P8192 unchanged. Measured and removed (commits ee3fc9b, 22060ef): S after the other's S alone (an mbarrier
 // arrived after its wgmma wait), every step or only an item's first two: -0.4 to -1.0% against 0; S after the other's
-// P as well (p_full): 14-19% slower. With the producer warpgroup (session 25) 0 is the faster form again: -2.6 to -3.1%
-// against S in turn (history 155), so it is that form's default.
+// P as well (p_full): 14-19% slower. With the producer warpgroup (session 25) 0 is the faster form again: -0.4 to -4.0%
+// against S in turn (-2.5% at H16 N9 P131072; history 155), so it is that form's default.
 #ifndef KDTREE_DUAL_S_SERIAL
 #define KDTREE_DUAL_S_SERIAL (KDTREE_DUAL_PRODUCER ? 0 : 1)
 #endif
@@ -140,8 +144,8 @@ struct Smem {
   float m[2][kBlockM];                     // the running row maxima after its latest tile
   float xl[kBlockM], xmu[kBlockM];         // score warpgroup 1's row sums at the end of an item, their max
   float row_l[kBlockM];                    // the item's row sums, for the value warpgroups
-  unsigned long long full[kStages];   // tile landed: one arrival per copying thread (256 value or, SRefill, 128 score)
-  unsigned long long empty[kStages];  // SRefill: the value warpgroups are done with the buffer's tile (256 arrivals)
+  unsigned long long full[kStages];   // tile landed: one arrival per copying thread (256 value, 128 producer or score)
+  unsigned long long empty[kStages];  // producer / SRefill: the value warpgroups are done with the buffer (256 arrivals)
   unsigned long long p_full[2];       // P / alpha of score warpgroup s published: 128 arrivals (release)
   unsigned long long p_empty[2];      // consumed: 256 value-thread arrivals (release)
   unsigned long long m_full[2];       // m of score warpgroup s's latest tile published: 128 arrivals
