@@ -61,7 +61,8 @@ constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads 
 // thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (32), score warpgroups
 // KDTREE_DUAL_PRODUCER_SCORE_REGS (64: no k-steps of q in registers, KDTREE_DUAL_QREG 0), value warpgroups
 // KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap again
-// (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation (not Pair, not SRefill) takes it.
+// (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with KDTREE_DUAL_PAIR_PRODUCER=1,
+// SRefill never).
 // Measured (H200, session 25, PERF_LOG history 154-155; A/B within one run, means of two, against session 23's
 // default): the producer alone (S in turn, QREG 0) -0.5 to +2.9% (the value side's copies were not what set the
 // period; QREG 0 alone +0.6 to +2.9%); with S overlapped -1.6% at H16 N9 P131072 (122.4 against 124.3 us), -2.1% at
@@ -79,7 +80,14 @@ constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads 
 #define KDTREE_DUAL_PRODUCER_VALUE_REGS 160
 #endif
 static_assert(KDTREE_DUAL_PRODUCER == 0 || KDTREE_DUAL_PRODUCER == 1, "KDTREE_DUAL_PRODUCER: 0 or 1");
-template <bool Pair, bool SRefill> constexpr bool kProducer = KDTREE_DUAL_PRODUCER && !Pair && !SRefill;
+// KDTREE_DUAL_PAIR_PRODUCER=1 (session 25, built, not run on a GPU): the pair instantiation (KDTREE_SPLIT_KERNEL=pair)
+// with the producer as well: S over 64 keys with the ring refilled as soon as a buffer is free (PERF_LOG next step 0a).
+// It compiles without spills (sm_90a: 64 score registers hold the 32 scores); its kernel tests have not run yet.
+#ifndef KDTREE_DUAL_PAIR_PRODUCER
+#define KDTREE_DUAL_PAIR_PRODUCER 0
+#endif
+template <bool Pair, bool SRefill>
+constexpr bool kProducer = KDTREE_DUAL_PRODUCER && !SRefill && (!Pair || KDTREE_DUAL_PAIR_PRODUCER);
 template <bool Pair, bool SRefill> constexpr int kThreadsOf = kProducer<Pair, SRefill> ? kThreads + 128 : kThreads;
 template <bool Pair, bool SRefill> constexpr int kLaunchRegsOf = (65536 / kThreadsOf<Pair, SRefill>) / 8 * 8;
 constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)

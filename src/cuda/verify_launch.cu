@@ -162,8 +162,10 @@ SplitLaunch split_launch(int kernel) {
     return {kernel == kDual       ? kdtree::dual::kdtree_verify_split_dual_kernel<false, false>
             : kernel == kDualPair ? kdtree::dual::kdtree_verify_split_dual_kernel<true, false>
                                   : kdtree::dual::kdtree_verify_split_dual_kernel<false, true>,
-            kernel == kDual ? kdtree::dual::kThreadsOf<false, false> : kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
-            kWgRows, kWgTile};
+            kernel == kDual       ? kdtree::dual::kThreadsOf<false, false>
+            : kernel == kDualPair ? kdtree::dual::kThreadsOf<true, false>
+                                  : kdtree::dual::kThreadsOf<false, true>,
+            kdtree::dual::kSmemBytes, kWgRows, kWgTile};
   if (kernel == kSeesaw)
     return {kdtree::seesaw::kdtree_verify_split_seesaw_kernel, kdtree::seesaw::kThreads, kdtree::seesaw::kSmemBytes,
             kWgRows, kWgTile};
