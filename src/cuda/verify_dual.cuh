@@ -80,9 +80,10 @@ constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads 
 #define KDTREE_DUAL_PRODUCER_VALUE_REGS 160
 #endif
 static_assert(KDTREE_DUAL_PRODUCER == 0 || KDTREE_DUAL_PRODUCER == 1, "KDTREE_DUAL_PRODUCER: 0 or 1");
-// KDTREE_DUAL_PAIR_PRODUCER=1 (session 25, built, not run on a GPU): the pair instantiation (KDTREE_SPLIT_KERNEL=pair)
-// with the producer as well: S over 64 keys with the ring refilled as soon as a buffer is free (PERF_LOG next step 0a).
-// It compiles without spills (sm_90a: 64 score registers hold the 32 scores); its kernel tests have not run yet.
+// KDTREE_DUAL_PAIR_PRODUCER=1 (session 25, opt-in): the pair instantiation (KDTREE_SPLIT_KERNEL=pair) with the producer
+// as well: S over 64 keys with the ring refilled as soon as a buffer is free (PERF_LOG next step 0a). No spills (64
+// score registers hold the 32 scores). Measured once (H200, history 158): kernel tests pass; H16 N9 P131072 127.8 us in
+// its own call against the default's 122.2-122.6, ~4-5% slower; not yet A/B'd or sanitized.
 #ifndef KDTREE_DUAL_PAIR_PRODUCER
 #define KDTREE_DUAL_PAIR_PRODUCER 0
 #endif
