@@ -50,8 +50,7 @@ using wg::kPvSteps;
 using wg::kValueThreads;
 
 constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
-constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups
-constexpr int kLaunchRegs = 65536 / kThreads;  // 128: one block of 512 threads per SM
+constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (+ 128 with the producer: kThreadsOf)
 // A producer warpgroup (KDTREE_DUAL_PRODUCER, session 25, the default; 0: session 23's four warpgroups): a fifth
 // warpgroup gathers every key tile, so the value warpgroups only wait for P, rescale O and run P V (session 23's trace:
 // the next tile's 9 cp.async per value thread took ~810 of their ~1,800 busy clocks per tile). A value thread arrives
@@ -90,6 +89,7 @@ static_assert(KDTREE_DUAL_PRODUCER == 0 || KDTREE_DUAL_PRODUCER == 1, "KDTREE_DU
 template <bool Pair, bool SRefill>
 constexpr bool kProducer = KDTREE_DUAL_PRODUCER && !SRefill && (!Pair || KDTREE_DUAL_PAIR_PRODUCER);
 template <bool Pair, bool SRefill> constexpr int kThreadsOf = kProducer<Pair, SRefill> ? kThreads + 128 : kThreads;
+// the launch's registers a thread, one block per SM: 128 at 512 threads, 96 at 640
 template <bool Pair, bool SRefill> constexpr int kLaunchRegsOf = (65536 / kThreadsOf<Pair, SRefill>) / 8 * 8;
 constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)
 constexpr int kProducerRegs = KDTREE_DUAL_PRODUCER_REGS;
@@ -481,8 +481,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {
-      mbar_wait(&sm.item_full, k & 1);   // the score side's item fetch (acquire)
-      const int item = sm.item[k & 1];
+      const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) {
         KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
         return;
@@ -603,8 +602,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     const int pt = tid - 512;   // 0..127
     uint32_t empty_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {
-      mbar_wait(&sm.item_full, k & 1);   // the score side's item fetch (acquire)
-      const int item = sm.item[k & 1];
+      const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;

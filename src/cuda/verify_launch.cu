@@ -149,6 +149,13 @@ struct SplitLaunch {
   // for the plan (measured faster, session 17)
   int done_arrivals = 1;
 };
+// One instantiation of the dual kernel (verify_dual.cuh): its thread count depends on the instantiation (the producer
+// warpgroup, KDTREE_DUAL_PRODUCER).
+template <bool Pair, bool SRefill>
+SplitLaunch dual_launch() {
+  return {kdtree::dual::kdtree_verify_split_dual_kernel<Pair, SRefill>, kdtree::dual::kThreadsOf<Pair, SRefill>,
+          kdtree::dual::kSmemBytes, kdtree::wg::kItemRows, kdtree::wg::kTileN};
+}
 SplitLaunch split_launch(int kernel) {
   using kdtree::kTileN;
   constexpr int kWgRows = kdtree::wg::kItemRows, kWgTile = kdtree::wg::kTileN;   // the three wgmma kernels' items
@@ -159,13 +166,8 @@ SplitLaunch split_launch(int kernel) {
     return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes, kWgRows,
             kWgTile};
   if (is_dual(kernel))
-    return {kernel == kDual       ? kdtree::dual::kdtree_verify_split_dual_kernel<false, false>
-            : kernel == kDualPair ? kdtree::dual::kdtree_verify_split_dual_kernel<true, false>
-                                  : kdtree::dual::kdtree_verify_split_dual_kernel<false, true>,
-            kernel == kDual       ? kdtree::dual::kThreadsOf<false, false>
-            : kernel == kDualPair ? kdtree::dual::kThreadsOf<true, false>
-                                  : kdtree::dual::kThreadsOf<false, true>,
-            kdtree::dual::kSmemBytes, kWgRows, kWgTile};
+    return kernel == kDual ? dual_launch<false, false>() : kernel == kDualPair ? dual_launch<true, false>()
+                                                                                : dual_launch<false, true>();
   if (kernel == kSeesaw)
     return {kdtree::seesaw::kdtree_verify_split_seesaw_kernel, kdtree::seesaw::kThreads, kdtree::seesaw::kSmemBytes,
             kWgRows, kWgTile};

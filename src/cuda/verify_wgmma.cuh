@@ -239,14 +239,17 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
 // The block's k-th work item (claim_item) from thread `tid` 0 to every thread that calls this, through slot k % 2 of
 // `item` and the mbarrier `full` (one arrival per item; release / acquire: with __syncthreads between the store and the
 // loads, racecheck reported the pair as a race, session 9). The barriers that end an item order a slot's reuse two
-// items later.
+// items later. wait_item: the same for a thread of a role that never claims (acquire only).
+__device__ __forceinline__ int wait_item(int k, const int (&item)[2], unsigned long long* full) {
+  mbar_wait(full, k & 1);
+  return item[k & 1];
+}
 __device__ __forceinline__ int fetch_item(const Params& prm, int k, int tid, int (&item)[2], unsigned long long* full) {
   if (tid == 0) {
     item[k & 1] = claim_item(prm, k);
     mbar_arrive(full);
   }
-  mbar_wait(full, k & 1);
-  return item[k & 1];
+  return wait_item(k, item, full);
 }
 
 // End of an item in a kernel whose two warpgroups each keep row sums of their own steps relative to their own latest
