@@ -616,12 +616,16 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       for (int t = 0; t < n_issue; ++t) {
         wg::tile_slots<kProducerKeys>(prm, cx, t + 1, pt, next);
         if (kQFirst < kStages && t == kQFirst) {
+          KDTREE_DSTART(pt == 0, 6);
           mbar_wait(&sm.q_full, q_parity);
           q_parity ^= 1u;
         }
         const int b = t % kStages;
         if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
         gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        // (TRACE: the start stamps that the value side takes without the producer)
+        if (t == 0) KDTREE_DSTART(pt == 0, 5);
+        if (t == kStages - 1) KDTREE_DSTART(pt == 0, 7);
 #pragma unroll
         for (int h = 0; h < kProducerKeys; ++h) slot[h] = next[h];
       }
