@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A/B of compile-time variants against the default build, on a GPU machine (no network), logs under $OUT.
 #   KDTREE_AB_VARIANTS="KDTREE_DUAL_S_SERIAL=0 KDTREE_WG_Q_FIRST=4" bash benchmarks/ab_variants.sh
-# Each variant is one or more macro definitions joined by "+" (e.g. "KDTREE_A=1+KDTREE_B=2"). The script
+# Each variant is one or more macro definitions joined by "+" (e.g. "KDTREE_A=1+KDTREE_B=2"); a part ENV:NAME=VALUE is
+# an environment variable set for that variant's tests and runs only, not a macro (e.g.
+# "KDTREE_DUAL_PAIR_PRODUCER=1+ENV:KDTREE_SPLIT_KERNEL=pair"). The script
 # - builds the default (ci/build_gpu.sh, installed) and every variant (pip --target /tmp/kd_ab<i>, its own build tree)
 #   side by side;
 # - runs the kernel's GPU tests on every variant (KDTREE_AB_TESTS=0 skips them), in parallel;
@@ -24,7 +26,7 @@ step "builds: default and ${#variants[@]} variant(s), side by side"
 ( KDTREE_CUDA_ARCHS=$arch bash ci/build_gpu.sh > "$OUT/ab_build_default.log" 2>&1; echo "default build rc=$?" ) &
 for i in "${!variants[@]}"; do
   flags=""
-  for d in ${variants[$i]//+/ }; do flags="$flags -D$d"; done
+  for d in ${variants[$i]//+/ }; do [[ "$d" == ENV:* ]] || flags="$flags -D$d"; done
   rm -rf "/tmp/kd_ab$i"
   ( python3 -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/kd_ab$i" . -C "build-dir=/tmp/build_ab$i" \
       -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/ab_build_$i.log" 2>&1
@@ -45,10 +47,13 @@ for i in "${!variants[@]}"; do
   esac
 done
 
+# the ENV: parts of variant i (or nothing for the default)
+venv() { local e=""; [ "$1" != default ] && for d in ${variants[$1]//+/ }; do [[ "$d" == ENV:* ]] && e="$e ${d#ENV:}"; done; echo $e; }
+
 if [ "${KDTREE_AB_TESTS:-1}" = 1 ]; then
   step "kernel tests of every variant (in parallel)"
   for i in "${!variants[@]}"; do
-    ( PYTHONPATH=/tmp/kd_ab$i timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernel_gpu.py \
+    ( env $(venv $i) PYTHONPATH=/tmp/kd_ab$i timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernel_gpu.py \
         > "$OUT/ab_tests_$i.log" 2>&1
       echo "variant $i (${variants[$i]}) tests rc=$? $(tail -1 "$OUT/ab_tests_$i.log" | cut -c1-120)"
       grep -E "^FAILED" "$OUT/ab_tests_$i.log" | head -3 | cut -c1-250 ) &
@@ -63,7 +68,7 @@ for ((r = 0; r < ${KDTREE_AB_ROUNDS:-2}; r++)); do
   for v in "${runs[@]}"; do
     step "round $r: $v"
     pp=""; [ "$v" != default ] && pp=/tmp/kd_ab$v
-    PYTHONPATH=$pp timeout 150 python3 benchmarks/bench.py --no-sglang --only "$ONLY" --out "$OUT/ab_${v}_r$r.json" \
+    env $(venv $v) PYTHONPATH=$pp timeout 150 python3 benchmarks/bench.py --no-sglang --only "$ONLY" --out "$OUT/ab_${v}_r$r.json" \
       > "$OUT/ab_${v}_r$r.log" 2>&1 || echo "bench rc=$? (see ab_${v}_r$r.log)"
   done
 done

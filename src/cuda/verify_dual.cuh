@@ -145,6 +145,31 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 constexpr bool kSSerial = KDTREE_DUAL_S_SERIAL;
 static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DUAL_S_SERIAL: 0 or 1");
 
+// Session 26 experiments on the producer form's chain (PERF_LOG history 159-), each off by default:
+// - KDTREE_DUAL_S_CHUNKS = C > 1: a score warpgroup issues S as C commit groups and waits for group i - 1 before it
+//   issues group i + 1, so that at most two groups of its S queue ahead of a value warpgroup's P V on the tensor pipe.
+// - KDTREE_DUAL_SPLIT_FULL = 1 (producer form only): the producer copies a tile's slabs 0 .. kSplitSlab - 1 first and
+//   announces them on full_a[b], then the rest on full[b]; S issues its first 4 kSplitSlab k-steps once full_a[b] has
+//   completed and waits for full[b] only before the rest (the value warpgroups wait for full[b], as before).
+// - KDTREE_DUAL_L2_PREFETCH = D > 0 (producer form only): when the producer issues tile t it also asks L2 for tile
+//   t + D's prefix keys (cp.async.bulk.prefetch.L2, one 1,152-byte row per lane of its first warp), so that the first
+//   of a split's row-tile items to reach a key finds it in L2 as the other two do.
+#ifndef KDTREE_DUAL_S_CHUNKS
+#define KDTREE_DUAL_S_CHUNKS 1
+#endif
+#ifndef KDTREE_DUAL_SPLIT_FULL
+#define KDTREE_DUAL_SPLIT_FULL 0
+#endif
+#ifndef KDTREE_DUAL_L2_PREFETCH
+#define KDTREE_DUAL_L2_PREFETCH 0
+#endif
+constexpr int kSChunks = KDTREE_DUAL_S_CHUNKS;
+static_assert(kSChunks >= 1 && kKSteps % kSChunks == 0, "KDTREE_DUAL_S_CHUNKS divides the 36 k-steps");
+constexpr bool kSplitFull = KDTREE_DUAL_SPLIT_FULL;
+constexpr int kSplitSlab = 5;   // full_a: slabs 0-4 (S's k-steps 0-19)
+constexpr int kL2Ahead = KDTREE_DUAL_L2_PREFETCH;
+static_assert(kL2Ahead >= 0, "KDTREE_DUAL_L2_PREFETCH: tiles ahead, 0 off");
+
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
   unsigned char kv[kStages][kTileBytes];   // 147,456
@@ -164,6 +189,7 @@ struct Smem {
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
   unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
+  unsigned long long full_a[kStages]; // KDTREE_DUAL_SPLIT_FULL: the tile's first kSplitSlab slabs landed (128 arrivals)
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -227,6 +253,33 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
                                                i, slot);
 }
 
+// The producer's copies of tile t with KDTREE_DUAL_SPLIT_FULL: slabs 0 .. kSplitSlab - 1 of its keys, announced on
+// full_a[b] once landed, then the rest, on full[b] (which completes after full_a[b]: a thread's arrival follows all of
+// its earlier copies).
+template <int Keys>
+__device__ __forceinline__ void gather_tile_split(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
+                                                  const long long (&slot)[Keys]) {
+  if (t >= cx.ntiles) return;
+  const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
+  constexpr int kPer = kTileN / Keys;
+#pragma unroll
+  for (int h = 0; h < Keys; ++h)
+    wg::copy_key_chunks<kTileN, kSlabBytes, 0, kSplitSlab>(buf, prm, cx, t, i / wg::kThreadsPerKey + kPer * h,
+                                                           i % wg::kThreadsPerKey, slot[h]);
+  wg::arrive_when_landed(&sm.full_a[b]);
+#pragma unroll
+  for (int h = 0; h < Keys; ++h)
+    wg::copy_key_chunks<kTileN, kSlabBytes, kSplitSlab, kSlabs>(buf, prm, cx, t, i / wg::kThreadsPerKey + kPer * h,
+                                                                i % wg::kThreadsPerKey, slot[h]);
+  wg::arrive_when_landed(&sm.full[b]);
+}
+// KDTREE_DUAL_L2_PREFETCH: prefix key `key` of the item's request (slot id `slot`) into L2, if the split has it
+__device__ __forceinline__ void prefetch_key_l2(const Params& prm, const ItemCtx& cx, int key, long long slot) {
+  if (key < cx.k1 && key < cx.rp.p)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(prm.kv + slot * prm.kv_ss), "r"(kKeyBytes)
+                 : "memory");
+}
+
 // SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
 // (score warpgroup s: tiles t = s mod 2, the first two with q), and refill the buffer of tile t - 2 with tile t + 2 once
 // both value warpgroups are done with it (empty[b]): before waiting for tile t, or (KDTREE_DUAL_SREFILL_AFTER_S=1)
@@ -286,6 +339,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     mbar_init(&sm.item_full, 1);
     mbar_init(&sm.q_land, 1);
     if (kProd) mbar_init(&sm.ring_free, kValueThreads);
+    if (kProd && kSplitFull)
+      for (int b = 0; b < kStages; ++b) mbar_init(&sm.full_a[b], 128);
     fence_proxy_async();
   }
   __syncthreads();
@@ -296,6 +351,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
     uint32_t empty_bits = 0u;   // SRefill
+    constexpr bool kSplitS = kProd && kSplitFull && !Pair;
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
@@ -370,6 +426,10 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if constexpr (Pair) {   // buffers 2s (tile t) and 2s + 1 (tile t + 1, if the item has it)
           mbar_wait_buffer(sm.full, full_bits, 2 * s);
           if (t + 1 < nt) mbar_wait_buffer(sm.full, full_bits, 2 * s + 1);
+        } else if constexpr (kSplitS) {
+          // the tile's first kSplitSlab slabs landed (full_a's parities in full_bits' bits 4-7)
+          mbar_wait(&sm.full_a[t % kStages], (full_bits >> (4 + t % kStages)) & 1u);
+          full_bits ^= 1u << (4 + t % kStages);
         } else {
           mbar_wait_buffer(sm.full, full_bits, t % kStages);   // every value thread's copies landed
         }
@@ -389,6 +449,12 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           wg::wg_fence();
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
+            if (kSplitS && ks == 4 * kSplitSlab) {   // the rest of the tile
+              wg::wg_commit();
+              mbar_wait_buffer(sm.full, full_bits, t % kStages);
+              fence_proxy_async();
+              wg::wg_fence();
+            }
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
             if (ks > 0) continue;
 #endif
@@ -400,6 +466,13 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
               wg::wgmma_m64n32k16_rs(sc, qa[kQRegs ? ks - (kKSteps - kQReg) : 0], db, ks > 0);
             else
               wg::wgmma_m64n32k16_ss(sc, da, db, ks > 0);
+            if constexpr (kSChunks > 1) {   // S in commit groups: group i + 1 issued once group i - 1 is done
+              constexpr int kChunk = kKSteps / kSChunks;
+              if ((ks + 1) % kChunk == 0 && ks + 1 < kKSteps) {
+                wg::wg_commit();
+                if ((ks + 1) / kChunk >= 2) wg::wg_wait_group<1>();
+              }
+            }
           }
           wg::wg_commit();
           if constexpr (SRefill && kSRefillAfterS) refill_own();
@@ -560,8 +633,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           // while P V runs (earlier, before P V or before the wait for P, is slower: branch
           // next/dual-refill-placement, history 77 and 80; before P V again in session 23, +5 to +13.5%, history 147)
           if (!SRefill && !kProd && t > 0) refill(t);
-          if (warp == 8) KDTREE_DTRACE(6);
-          if (warp == 15) KDTREE_DTRACE(12);   // the last value warp's refill issued
+          if (!kProd && warp == 8) KDTREE_DTRACE(6);
+          if (!kProd && warp == 15) KDTREE_DTRACE(12);   // the last value warp's refill issued
           wg::wg_wait0();
           if (warp == 8) KDTREE_DTRACE(11);   // P V done
         }
@@ -606,6 +679,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
+#ifdef KDTREE_EXP_TRACE
+      const long long t_item = clock64();
+#endif
       long long slot[kProducerKeys], next[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
@@ -622,7 +698,16 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         const int b = t % kStages;
         if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
-        gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        if (warp == 16) KDTREE_DTRACE(6);   // (TRACE, producer form: tile t's copies start)
+        if constexpr (kSplitFull && !Pair)
+          gather_tile_split<kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        else
+          gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
+        if constexpr (kL2Ahead > 0) {
+          if (pt < kTileN && t + kL2Ahead < nt)
+            prefetch_key_l2(prm, cx, cx.k0 + (t + kL2Ahead) * kTileN + pt, wg::tile_key_slot(prm, cx, t + kL2Ahead, pt));
+        }
         // (TRACE: the start stamps that the value side takes without the producer)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);
         if (t == kStages - 1) KDTREE_DSTART(pt == 0, 7);

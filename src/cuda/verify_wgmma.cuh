@@ -309,7 +309,8 @@ __device__ __forceinline__ void load_q_regs(uint32_t (&qa)[N][4], const unsigned
 // key buffer at shared address `kv`, in the 128-byte swizzled layout, [slab][key][128 B] (zero-fill past the split
 // end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key. SlabStride: the
 // bytes from one slab to the next (the dual kernel's pairs of 32-key buffers interleave their slabs: 8,192).
-template <int TileN = kTileN, int SlabStride = TileN * 128>
+// Slabs [Slab0, Slab1) only: the dual kernel's KDTREE_DUAL_SPLIT_FULL copies a tile in two parts.
+template <int TileN = kTileN, int SlabStride = TileN * 128, int Slab0 = 0, int Slab1 = kSlabs>
 __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, const ItemCtx& cx, int t, int kt, int cc,
                                                 long long slot) {
   const int key = cx.k0 + t * TileN + kt;
@@ -317,7 +318,7 @@ __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, 
   const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
   const uint32_t dst = kv + kt * 128 + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
-  for (int slab = 0; slab < kSlabs; ++slab)
+  for (int slab = Slab0; slab < Slab1; ++slab)
     cp_async_16z(dst + slab * SlabStride, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
 }
 // The tile announces itself: a thread follows its copies with this, which arrives on the tile's
