@@ -154,6 +154,18 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 // - KDTREE_DUAL_L2_PREFETCH = D > 0 (producer form only): when the producer issues tile t it also asks L2 for tile
 //   t + D's prefix keys (cp.async.bulk.prefetch.L2, one 1,152-byte row per lane of its first warp), so that the first
 //   of a split's row-tile items to reach a key finds it in L2 as the other two do.
+// - KDTREE_DUAL_P_STMATRIX = 1 (not with Pair): a score thread stores its P by two stmatrix.x4 instead of eight 4-byte
+//   stores (the same bytes in a quarter of the instructions; the trace has a tile's softmax end near the other score
+//   warpgroup's S end, as if its stores waited behind S's shared-memory reads).
+// - KDTREE_DUAL_P_WRITER_FENCE = 0: no proxy fence after P's stores (its MEMBAR waits for them to complete); the value
+//   warpgroups' fence after they acquire P and the tile (which the producer's copies already rely on) orders P for
+//   their wgmma.
+#ifndef KDTREE_DUAL_P_STMATRIX
+#define KDTREE_DUAL_P_STMATRIX 0
+#endif
+#ifndef KDTREE_DUAL_P_WRITER_FENCE
+#define KDTREE_DUAL_P_WRITER_FENCE 1
+#endif
 #ifndef KDTREE_DUAL_S_CHUNKS
 #define KDTREE_DUAL_S_CHUNKS 1
 #endif
@@ -510,16 +522,28 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         // key group j of the step: group j & 3 of tile t + (j >> 2), whose P is in that tile's buffer (Pair: buffer
         // 2 s + (j >> 2)) or p[s]
-        softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
-          const int row = wrow + g + half * 8;
-          unsigned char* const p = p_buffer<Pair>(sm, s, 2 * s + (j >> 2));
-          *reinterpret_cast<uint32_t*>(&p[row * kPRowBytes + (((j & 3) ^ ((row >> 1) & 3)) << 4) + 4 * c]) = pair;
-        });
+        if constexpr (KDTREE_DUAL_P_STMATRIX && !Pair) {
+          // matrix j of half h: rows wrow + 8 h .. + 7, key group j; lane l gives row l % 8 of matrix l / 8
+          uint32_t pr[2][4];
+          softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) { pr[half][j] = pair; });
+          const uint32_t p0 = smem_u32(&sm.p[s][0]);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = wrow + half * 8 + (lane & 7);
+            stmatrix_x4(p0 + row * kPRowBytes + ((((lane >> 3) & 3) ^ ((row >> 1) & 3)) << 4), pr[half]);
+          }
+        } else {
+          softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
+            const int row = wrow + g + half * 8;
+            unsigned char* const p = p_buffer<Pair>(sm, s, 2 * s + (j >> 2));
+            *reinterpret_cast<uint32_t*>(&p[row * kPRowBytes + (((j & 3) ^ ((row >> 1) & 3)) << 4) + 4 * c]) = pair;
+          });
+        }
         if (c == 0) {
           sm.alpha[s][wrow + g] = alpha[0];
           sm.alpha[s][wrow + g + 8] = alpha[1];
         }
-        fence_proxy_async();   // P is read next by wgmma (the async proxy); alpha by plain loads
+        if (KDTREE_DUAL_P_WRITER_FENCE || Pair) fence_proxy_async();   // P is read next by wgmma (the async proxy)
         mbar_arrive(&sm.p_full[s]);
         bar_arrive(kBarPFull + s, 128 + kValueThreads);
         if ((warp & 3) == 0) KDTREE_DTRACE(3);
