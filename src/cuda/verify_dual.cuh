@@ -154,17 +154,23 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 // - KDTREE_DUAL_L2_PREFETCH = D > 0 (producer form only): when the producer issues tile t it also asks L2 for tile
 //   t + D's prefix keys (cp.async.bulk.prefetch.L2, one 1,152-byte row per lane of its first warp), so that the first
 //   of a split's row-tile items to reach a key finds it in L2 as the other two do.
-// - KDTREE_DUAL_P_STMATRIX = 1 (not with Pair): a score thread stores its P by two stmatrix.x4 instead of eight 4-byte
-//   stores (the same bytes in a quarter of the instructions; the trace has a tile's softmax end near the other score
-//   warpgroup's S end, as if its stores waited behind S's shared-memory reads).
-// - KDTREE_DUAL_P_WRITER_FENCE = 0: no proxy fence after P's stores (its MEMBAR waits for them to complete); the value
-//   warpgroups' fence after they acquire P and the tile (which the producer's copies already rely on) orders P for
-//   their wgmma.
+// P's hand-off (session 26, the producer form's default; history 161): the trace had a tile's softmax end near the other
+// score warpgroup's S end, as if P's stores waited behind S's shared-memory reads, and the proxy fence after them
+// (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S) holds the score warpgroup until they have completed.
+// - KDTREE_DUAL_P_WRITER_FENCE = 0: no proxy fence after P's stores. The value warpgroups' fence after they acquire P
+//   and the tile orders P for their wgmma: a proxy fence anywhere on the release / acquire path from the store to the
+//   wgmma does, as for the producer's cp.async tiles, which every reader fences after its wait.
+// - KDTREE_DUAL_P_STMATRIX = 1: a score thread stores its P by two stmatrix.x4 instead of eight 4-byte
+//   stores (the same bytes in a quarter of the instructions).
+// Measured (H200, A/B within one run, means of two): no fence -0.6 to -1.1%, stmatrix alone -0.3 to +1.1%, both
+// -0.6 to -1.4% (H16 N9 P131072 119.3 against 120.6 us); the trace's softmax-to-P-published ~1,050 against ~1,400 clocks.
+// Both apply to the producer form's default instantiation only (not Pair or SRefill); KDTREE_DUAL_PRODUCER=0 keeps
+// session 23's hand-off (fence, 4-byte stores).
 #ifndef KDTREE_DUAL_P_STMATRIX
-#define KDTREE_DUAL_P_STMATRIX 0
+#define KDTREE_DUAL_P_STMATRIX KDTREE_DUAL_PRODUCER
 #endif
 #ifndef KDTREE_DUAL_P_WRITER_FENCE
-#define KDTREE_DUAL_P_WRITER_FENCE 1
+#define KDTREE_DUAL_P_WRITER_FENCE (!KDTREE_DUAL_PRODUCER)
 #endif
 #ifndef KDTREE_DUAL_S_CHUNKS
 #define KDTREE_DUAL_S_CHUNKS 1
@@ -522,7 +528,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         // key group j of the step: group j & 3 of tile t + (j >> 2), whose P is in that tile's buffer (Pair: buffer
         // 2 s + (j >> 2)) or p[s]
-        if constexpr (KDTREE_DUAL_P_STMATRIX && !Pair) {
+        if constexpr (KDTREE_DUAL_P_STMATRIX && kProd && !Pair) {
           // matrix j of half h: rows wrow + 8 h .. + 7, key group j; lane l gives row l % 8 of matrix l / 8
           uint32_t pr[2][4];
           softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) { pr[half][j] = pair; });
@@ -543,7 +549,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           sm.alpha[s][wrow + g] = alpha[0];
           sm.alpha[s][wrow + g + 8] = alpha[1];
         }
-        if (KDTREE_DUAL_P_WRITER_FENCE || Pair) fence_proxy_async();   // P is read next by wgmma (the async proxy)
+        // P is read next by wgmma (the async proxy): fenced here, or (the producer form) by the value side after its waits
+        if (KDTREE_DUAL_P_WRITER_FENCE || !kProd || Pair) fence_proxy_async();
         mbar_arrive(&sm.p_full[s]);
         bar_arrive(kBarPFull + s, 128 + kValueThreads);
         if ((warp & 3) == 0) KDTREE_DTRACE(3);
