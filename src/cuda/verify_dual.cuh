@@ -172,6 +172,14 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #ifndef KDTREE_DUAL_P_WRITER_FENCE
 #define KDTREE_DUAL_P_WRITER_FENCE (!KDTREE_DUAL_PRODUCER)
 #endif
+// - KDTREE_DUAL_SLOT_PREFETCH = D > 0 (producer form): when the producer issues tile t, two of its threads ask L2 for
+//   the lines holding tile t + D's slot ids (prefetch.global.L2). The producer loads a tile's slot ids one tile ahead,
+//   and the SASS moves them into the copy registers at the end of each tile, which waits for the load: the trace has
+//   the producer start a tile's copies ~1,500 clocks after the buffer was freed, ~1,000 after its previous tile's
+//   copies were issued.
+#ifndef KDTREE_DUAL_SLOT_PREFETCH
+#define KDTREE_DUAL_SLOT_PREFETCH 0
+#endif
 #ifndef KDTREE_DUAL_S_CHUNKS
 #define KDTREE_DUAL_S_CHUNKS 1
 #endif
@@ -735,6 +743,16 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         else
           gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
+        if constexpr (KDTREE_DUAL_SLOT_PREFETCH > 0) {   // the first and last of tile t + D's 32 slot ids
+          const int tp = t + KDTREE_DUAL_SLOT_PREFETCH;
+          const int kmax = min(cx.k1, cx.rp.p) - 1;   // the last prefix key of the split (drafts have no slot id)
+          if (pt < 2 && tp < nt && cx.k0 + tp * kTileN <= kmax) {
+            const int key = min(cx.k0 + tp * kTileN + pt * (kTileN - 1), kmax);
+            const size_t esz = prm.kv_indices_64 ? 8 : 4;
+            const char* a = static_cast<const char*>(prm.kv_indices) + ((long long)cx.rp.kv_begin + key) * esz;
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
+          }
+        }
         if constexpr (kL2Ahead > 0) {
           if (pt < kTileN && t + kL2Ahead < nt)
             prefetch_key_l2(prm, cx, cx.k0 + (t + kL2Ahead) * kTileN + pt, wg::tile_key_slot(prm, cx, t + kL2Ahead, pt));
