@@ -180,6 +180,14 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #ifndef KDTREE_DUAL_SLOT_PREFETCH
 #define KDTREE_DUAL_SLOT_PREFETCH 0
 #endif
+// - KDTREE_DUAL_HALF_RELEASE = 1 (producer form, not Pair; built in session 26, NOT RUN): value warpgroup v releases the
+//   slabs it reads (4 v .. 4 v + 3) on its own mbarrier empty_h[b][v], and the producer copies tile t + 4's slabs 0-3
+//   and 8 (the rope, read by S only) once value warpgroup 0 is done with tile t, slabs 4-7 once warpgroup 1 is. The
+//   copies are issued at the SM's intake rate (~1,100 clocks a tile in the trace), so the half that can start earlier
+//   lands earlier. Its TRACE build stamps e7 from value warp 12 (warpgroup 1's release) instead of warp 8.
+#ifndef KDTREE_DUAL_HALF_RELEASE
+#define KDTREE_DUAL_HALF_RELEASE 0
+#endif
 #ifndef KDTREE_DUAL_S_CHUNKS
 #define KDTREE_DUAL_S_CHUNKS 1
 #endif
@@ -216,6 +224,7 @@ struct Smem {
   int item[2];   // the block's k-th work item in item[k % 2]
   unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
   unsigned long long full_a[kStages]; // KDTREE_DUAL_SPLIT_FULL: the tile's first kSplitSlab slabs landed (128 arrivals)
+  unsigned long long empty_h[kStages][2];   // KDTREE_DUAL_HALF_RELEASE: value warpgroup v done with buffer b (128)
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -367,6 +376,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     if (kProd) mbar_init(&sm.ring_free, kValueThreads);
     if (kProd && kSplitFull)
       for (int b = 0; b < kStages; ++b) mbar_init(&sm.full_a[b], 128);
+    if (kProd && KDTREE_DUAL_HALF_RELEASE)
+      for (int b = 0; b < kStages; ++b) mbar_init(&sm.empty_h[b][0], 128), mbar_init(&sm.empty_h[b][1], 128);
     fence_proxy_async();
   }
   __syncthreads();
@@ -680,11 +691,12 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         // release: its score warpgroup writes P / alpha again (after the step's last tile)
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
         if constexpr (SRefill || kProd) {
-          if (t + kStages < nt) mbar_arrive(&sm.empty[b]);   // its score warpgroup / the producer refills it: tile t + 4
+          if (t + kStages < nt)   // its score warpgroup / the producer refills it: tile t + 4
+            mbar_arrive(kProd && KDTREE_DUAL_HALF_RELEASE && !Pair ? &sm.empty_h[b][v] : &sm.empty[b]);
         } else {
           bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         }
-        if (warp == 8) KDTREE_DTRACE(7);
+        if (warp == (kProd && KDTREE_DUAL_HALF_RELEASE ? 12 : 8)) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
@@ -736,9 +748,33 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           q_parity ^= 1u;
         }
         const int b = t % kStages;
-        if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
+        constexpr bool kHalf = KDTREE_DUAL_HALF_RELEASE && !Pair;
+        if (!kHalf && t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
+        if (kHalf && t >= kStages) {   // empty_h's parities: bits b (warpgroup 0) and 4 + b (warpgroup 1)
+          mbar_wait(&sm.empty_h[b][0], (empty_bits >> b) & 1u);
+          empty_bits ^= 1u << b;
+        }
         if (warp == 16) KDTREE_DTRACE(6);   // (TRACE, producer form: tile t's copies start)
-        if constexpr (kSplitFull && !Pair)
+        if constexpr (kHalf) {
+          if (t < nt) {
+            const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
+            auto copy = [&](auto lo, auto hi) {
+#pragma unroll
+              for (int h = 0; h < kProducerKeys; ++h)
+                wg::copy_key_chunks<kTileN, kSlabBytes, decltype(lo)::value, decltype(hi)::value>(
+                    buf, prm, cx, t, pt / wg::kThreadsPerKey + (kTileN / kProducerKeys) * h, pt % wg::kThreadsPerKey,
+                    slot[h]);
+            };
+            copy(std::integral_constant<int, 0>(), std::integral_constant<int, 4>());
+            copy(std::integral_constant<int, 8>(), std::integral_constant<int, 9>());
+            if (t >= kStages) {
+              mbar_wait(&sm.empty_h[b][1], (empty_bits >> (4 + b)) & 1u);
+              empty_bits ^= 1u << (4 + b);
+            }
+            copy(std::integral_constant<int, 4>(), std::integral_constant<int, 8>());
+            wg::arrive_when_landed(&sm.full[b]);
+          }
+        } else if constexpr (kSplitFull && !Pair)
           gather_tile_split<kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         else
           gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
