@@ -145,7 +145,12 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 constexpr bool kSSerial = KDTREE_DUAL_S_SERIAL;
 static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DUAL_S_SERIAL: 0 or 1");
 
-// Session 26 experiments on the producer form's chain (PERF_LOG history 159-), each off by default:
+// Session 26 experiments on the producer form's chain (PERF_LOG history 159-164), each off by default. Measured (H200,
+// A/B within one run against that session's default, H16 N9 P131072 unless said): S_CHUNKS=4 +0.4% (no change on any
+// shape); SPLIT_FULL +17%; L2_PREFETCH=4 / 8 +59 / +68% (the bulk prefetch becomes a uniform-datapath UBLKPF in a loop
+// over the lanes); SLOT_PREFETCH=4 / 8 +1.3 / +1.4%; HALF_RELEASE +28%. The three slowest builds spill 8-12 B in the
+// producer (32 registers), the others do not: a spill reload there may wait behind the producer's cp.async, so
+// SPLIT_FULL and HALF_RELEASE are not ruled out until a spill-free build is timed.
 // - KDTREE_DUAL_S_CHUNKS = C > 1: a score warpgroup issues S as C commit groups and waits for group i - 1 before it
 //   issues group i + 1, so that at most two groups of its S queue ahead of a value warpgroup's P V on the tensor pipe.
 // - KDTREE_DUAL_SPLIT_FULL = 1 (producer form only): the producer copies a tile's slabs 0 .. kSplitSlab - 1 first and
@@ -180,7 +185,7 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #ifndef KDTREE_DUAL_SLOT_PREFETCH
 #define KDTREE_DUAL_SLOT_PREFETCH 0
 #endif
-// - KDTREE_DUAL_HALF_RELEASE = 1 (producer form, not Pair; built in session 26, NOT RUN): value warpgroup v releases the
+// - KDTREE_DUAL_HALF_RELEASE = 1 (producer form, not Pair): value warpgroup v releases the
 //   slabs it reads (4 v .. 4 v + 3) on its own mbarrier empty_h[b][v], and the producer copies tile t + 4's slabs 0-3
 //   and 8 (the rope, read by S only) once value warpgroup 0 is done with tile t, slabs 4-7 once warpgroup 1 is. The
 //   copies are issued at the SM's intake rate (~1,100 clocks a tile in the trace), so the half that can start earlier
