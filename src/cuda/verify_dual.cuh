@@ -150,7 +150,9 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 // shape); SPLIT_FULL +17%; L2_PREFETCH=4 / 8 +59 / +68% (the bulk prefetch becomes a uniform-datapath UBLKPF in a loop
 // over the lanes); SLOT_PREFETCH=4 / 8 +1.3 / +1.4%; HALF_RELEASE +28%. The three slowest builds spill 8-12 B in the
 // producer (32 registers), the others do not: a spill reload there may wait behind the producer's cp.async, so
-// SPLIT_FULL and HALF_RELEASE are not ruled out until a spill-free build is timed.
+// SPLIT_FULL and HALF_RELEASE are not ruled out until a spill-free build is timed: with
+// -DKDTREE_DUAL_PRODUCER_SCORE_REGS=56 -DKDTREE_DUAL_PRODUCER_REGS=48 (2 x 56 + 48 <= 160, what the value warpgroups
+// leave) the default, SPLIT_FULL and HALF_RELEASE builds have no spills (session 26, compiler only; not yet run).
 // - KDTREE_DUAL_S_CHUNKS = C > 1: a score warpgroup issues S as C commit groups and waits for group i - 1 before it
 //   issues group i + 1, so that at most two groups of its S queue ahead of a value warpgroup's P V on the tensor pipe.
 // - KDTREE_DUAL_SPLIT_FULL = 1 (producer form only): the producer copies a tile's slabs 0 .. kSplitSlab - 1 first and
@@ -667,7 +669,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
         if (warp == 8) KDTREE_DTRACE(5);
-        fence_proxy_async();   // the tile's V is read by wgmma (the async proxy)
+        // the tile's V is read by wgmma (the async proxy); in the producer form this fence also orders P, whose writer
+        // fences nothing (KDTREE_DUAL_P_WRITER_FENCE): it follows the acquire of p_full, so it must stay after both waits
+        fence_proxy_async();
         if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {
           const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
