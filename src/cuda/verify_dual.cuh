@@ -145,32 +145,16 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 constexpr bool kSSerial = KDTREE_DUAL_S_SERIAL;
 static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DUAL_S_SERIAL: 0 or 1");
 
-// Session 26 experiments on the producer form's chain (PERF_LOG history 159-164), each off by default. Measured (H200,
-// A/B within one run against that session's default, H16 N9 P131072 unless said): S_CHUNKS=4 +0.4% (no change on any
-// shape); SPLIT_FULL +17%; L2_PREFETCH=4 / 8 +59 / +68% (the bulk prefetch becomes a uniform-datapath UBLKPF in a loop
-// over the lanes); SLOT_PREFETCH=4 / 8 +1.3 / +1.4%; HALF_RELEASE +28%. The three slowest builds spill 8-12 B in the
-// producer (32 registers), the others do not: a spill reload there may wait behind the producer's cp.async, so
-// SPLIT_FULL and HALF_RELEASE are not ruled out until a spill-free build is timed: with
-// -DKDTREE_DUAL_PRODUCER_SCORE_REGS=56 -DKDTREE_DUAL_PRODUCER_REGS=48 (2 x 56 + 48 <= 160, what the value warpgroups
-// leave) the default, SPLIT_FULL and HALF_RELEASE builds have no spills (session 26, compiler only; not yet run).
-// - KDTREE_DUAL_S_CHUNKS = C > 1: a score warpgroup issues S as C commit groups and waits for group i - 1 before it
-//   issues group i + 1, so that at most two groups of its S queue ahead of a value warpgroup's P V on the tensor pipe.
-// - KDTREE_DUAL_SPLIT_FULL = 1 (producer form only): the producer copies a tile's slabs 0 .. kSplitSlab - 1 first and
-//   announces them on full_a[b], then the rest on full[b]; S issues its first 4 kSplitSlab k-steps once full_a[b] has
-//   completed and waits for full[b] only before the rest (the value warpgroups wait for full[b], as before).
-// - KDTREE_DUAL_L2_PREFETCH = D > 0 (producer form only): when the producer issues tile t it also asks L2 for tile
-//   t + D's prefix keys (cp.async.bulk.prefetch.L2, one 1,152-byte row per lane of its first warp), so that the first
-//   of a split's row-tile items to reach a key finds it in L2 as the other two do.
-// P's hand-off (session 26, the producer form's default; history 161): the trace had a tile's softmax end near the other
-// score warpgroup's S end, as if P's stores waited behind S's shared-memory reads, and the proxy fence after them
-// (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S) holds the score warpgroup until they have completed.
+// P's hand-off (session 26, the producer form's default; PERF_LOG history 159, 161): the trace had a tile's softmax end
+// near the other score warpgroup's S end, as if P's stores waited behind S's shared-memory reads, and the proxy fence
+// after them (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S) holds the score warpgroup until they have completed.
 // - KDTREE_DUAL_P_WRITER_FENCE = 0: no proxy fence after P's stores. The value warpgroups' fence after they acquire P
 //   and the tile orders P for their wgmma: a proxy fence anywhere on the release / acquire path from the store to the
 //   wgmma does, as for the producer's cp.async tiles, which every reader fences after its wait.
-// - KDTREE_DUAL_P_STMATRIX = 1: a score thread stores its P by two stmatrix.x4 instead of eight 4-byte
-//   stores (the same bytes in a quarter of the instructions).
-// Measured (H200, A/B within one run, means of two): no fence -0.6 to -1.1%, stmatrix alone -0.3 to +1.1%, both
-// -0.6 to -1.4% (H16 N9 P131072 119.3 against 120.6 us); the trace's softmax-to-P-published ~1,050 against ~1,400 clocks.
+// - KDTREE_DUAL_P_STMATRIX = 1: a score thread stores its P by two stmatrix.x4 instead of eight 4-byte stores (the same
+//   bytes in a quarter of the instructions).
+// Measured (H200, A/B within one run, means of two): no fence -0.6 to -1.1%, stmatrix alone -0.3 to +1.1%, both -0.6 to
+// -1.4% (H16 N9 P131072 119.3 against 120.6 us); the trace's running max to P published ~1,000 against ~1,430 clocks.
 // Both apply to the producer form's default instantiation only (not Pair or SRefill); KDTREE_DUAL_PRODUCER=0 keeps
 // session 23's hand-off (fence, 4-byte stores).
 #ifndef KDTREE_DUAL_P_STMATRIX
@@ -179,37 +163,32 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #ifndef KDTREE_DUAL_P_WRITER_FENCE
 #define KDTREE_DUAL_P_WRITER_FENCE (!KDTREE_DUAL_PRODUCER)
 #endif
-// - KDTREE_DUAL_SLOT_PREFETCH = D > 0 (producer form): when the producer issues tile t, two of its threads ask L2 for
-//   the lines holding tile t + D's slot ids (prefetch.global.L2). The producer loads a tile's slot ids one tile ahead,
-//   and the SASS moves them into the copy registers at the end of each tile, which waits for the load: the trace has
-//   the producer start a tile's copies ~1,500 clocks after the buffer was freed, ~1,000 after its previous tile's
-//   copies were issued.
-#ifndef KDTREE_DUAL_SLOT_PREFETCH
-#define KDTREE_DUAL_SLOT_PREFETCH 0
-#endif
-// - KDTREE_DUAL_HALF_RELEASE = 1 (producer form, not Pair): value warpgroup v releases the
-//   slabs it reads (4 v .. 4 v + 3) on its own mbarrier empty_h[b][v], and the producer copies tile t + 4's slabs 0-3
-//   and 8 (the rope, read by S only) once value warpgroup 0 is done with tile t, slabs 4-7 once warpgroup 1 is. The
-//   copies are issued at the SM's intake rate (~1,100 clocks a tile in the trace), so the half that can start earlier
-//   lands earlier. Its TRACE build stamps e7 from value warp 12 (warpgroup 1's release) instead of warp 8.
-#ifndef KDTREE_DUAL_HALF_RELEASE
-#define KDTREE_DUAL_HALF_RELEASE 0
-#endif
-#ifndef KDTREE_DUAL_S_CHUNKS
-#define KDTREE_DUAL_S_CHUNKS 1
-#endif
+
+// Two session-26 experiments on the producer form's refill, off by default (history 160, 163-164):
+// - KDTREE_DUAL_SPLIT_FULL = 1: the producer copies a tile's slabs 0 .. kSplitSlab - 1 first and announces them on
+//   full_a[b], then the rest on full[b]; S issues its first 4 kSplitSlab k-steps once full_a[b] has completed and waits
+//   for full[b] only before the rest (the value warpgroups wait for full[b], as before). Measured +17% at H16 N9
+//   P131072.
+// - KDTREE_DUAL_HALF_RELEASE = 1 (not Pair): value warpgroup v releases the slabs it reads (4 v .. 4 v + 3) on its own
+//   mbarrier empty_h[b][v], and the producer copies tile t + 4's slabs 0-3 and 8 (the rope, read by S only) once value
+//   warpgroup 0 is done with tile t, slabs 4-7 once warpgroup 1 is: the copies are issued at the SM's intake rate
+//   (~1,100 clocks a tile in the trace), so the half that can start earlier lands earlier. Its TRACE build stamps e7
+//   from value warp 12 (warpgroup 1's release) instead of warp 8. Measured +28% (one quick round).
+// Both builds spill 12 B in the 32-register producer; the session's spill-free variants all came within 3%. A spill
+// reload there may wait behind the producer's cp.async, so neither is ruled out until a spill-free build is timed:
+// with -DKDTREE_DUAL_PRODUCER_SCORE_REGS=56 -DKDTREE_DUAL_PRODUCER_REGS=48 (2 x 56 + 48 <= 160, what the value
+// warpgroups leave) the default and both builds have no spills (compiler only; not yet run).
+// Measured and removed in session 26 (history 160, 162): S issued as 4 commit groups (+0.4%, commit 88f0b90), an L2
+// bulk prefetch of tile t + D's key rows by the producer (+59 to +74%: a uniform UBLKPF in a loop over the lanes, and
+// spills; 88f0b90), an L2 prefetch of tile t + D's slot-id lines (+1.3 to +3.1%, 9634123).
 #ifndef KDTREE_DUAL_SPLIT_FULL
 #define KDTREE_DUAL_SPLIT_FULL 0
 #endif
-#ifndef KDTREE_DUAL_L2_PREFETCH
-#define KDTREE_DUAL_L2_PREFETCH 0
+#ifndef KDTREE_DUAL_HALF_RELEASE
+#define KDTREE_DUAL_HALF_RELEASE 0
 #endif
-constexpr int kSChunks = KDTREE_DUAL_S_CHUNKS;
-static_assert(kSChunks >= 1 && kKSteps % kSChunks == 0, "KDTREE_DUAL_S_CHUNKS divides the 36 k-steps");
 constexpr bool kSplitFull = KDTREE_DUAL_SPLIT_FULL;
 constexpr int kSplitSlab = 5;   // full_a: slabs 0-4 (S's k-steps 0-19)
-constexpr int kL2Ahead = KDTREE_DUAL_L2_PREFETCH;
-static_assert(kL2Ahead >= 0, "KDTREE_DUAL_L2_PREFETCH: tiles ahead, 0 off");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -314,12 +293,6 @@ __device__ __forceinline__ void gather_tile_split(Smem& sm, const Params& prm, c
     wg::copy_key_chunks<kTileN, kSlabBytes, kSplitSlab, kSlabs>(buf, prm, cx, t, i / wg::kThreadsPerKey + kPer * h,
                                                                 i % wg::kThreadsPerKey, slot[h]);
   wg::arrive_when_landed(&sm.full[b]);
-}
-// KDTREE_DUAL_L2_PREFETCH: prefix key `key` of the item's request (slot id `slot`) into L2, if the split has it
-__device__ __forceinline__ void prefetch_key_l2(const Params& prm, const ItemCtx& cx, int key, long long slot) {
-  if (key < cx.k1 && key < cx.rp.p)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(prm.kv + slot * prm.kv_ss), "r"(kKeyBytes)
-                 : "memory");
 }
 
 // SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
@@ -510,13 +483,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
               wg::wgmma_m64n32k16_rs(sc, qa[kQRegs ? ks - (kKSteps - kQReg) : 0], db, ks > 0);
             else
               wg::wgmma_m64n32k16_ss(sc, da, db, ks > 0);
-            if constexpr (kSChunks > 1) {   // S in commit groups: group i + 1 issued once group i - 1 is done
-              constexpr int kChunk = kKSteps / kSChunks;
-              if ((ks + 1) % kChunk == 0 && ks + 1 < kKSteps) {
-                wg::wg_commit();
-                if ((ks + 1) / kChunk >= 2) wg::wg_wait_group<1>();
-              }
-            }
           }
           wg::wg_commit();
           if constexpr (SRefill && kSRefillAfterS) refill_own();
@@ -788,20 +754,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         else
           gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
-        if constexpr (KDTREE_DUAL_SLOT_PREFETCH > 0) {   // the first and last of tile t + D's 32 slot ids
-          const int tp = t + KDTREE_DUAL_SLOT_PREFETCH;
-          const int kmax = min(cx.k1, cx.rp.p) - 1;   // the last prefix key of the split (drafts have no slot id)
-          if (pt < 2 && tp < nt && cx.k0 + tp * kTileN <= kmax) {
-            const int key = min(cx.k0 + tp * kTileN + pt * (kTileN - 1), kmax);
-            const size_t esz = prm.kv_indices_64 ? 8 : 4;
-            const char* a = static_cast<const char*>(prm.kv_indices) + ((long long)cx.rp.kv_begin + key) * esz;
-            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
-          }
-        }
-        if constexpr (kL2Ahead > 0) {
-          if (pt < kTileN && t + kL2Ahead < nt)
-            prefetch_key_l2(prm, cx, cx.k0 + (t + kL2Ahead) * kTileN + pt, wg::tile_key_slot(prm, cx, t + kL2Ahead, pt));
-        }
         // (TRACE: the start stamps that the value side takes without the producer)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);
         if (t == kStages - 1) KDTREE_DSTART(pt == 0, 7);
