@@ -8,7 +8,10 @@ prologue ended when score warp 0 saw the keys land / passed P-empty / had S / pu
 value warp 0 passed P-full / had P V / passed the value barrier / had issued the refill; in the dual kernel's lines two
 more columns: score warp 0 issued S (past its waits for the tile and for the other warpgroup's maxima) / had the tile's
 own row maxima (session 22; the wgmma kernel prints 0 there), and three more: value warp 0 had issued P V / had P V
-done, the last value warp had issued its refill (session 23). The wgmma kernels (dual, wgmma,
+done, the last value warp had issued its refill (session 23; in the producer form, session 26: the producer's copies
+of the tile start / are issued in columns 7 and 13 instead); and three more (session 26, producer form): the producer
+starts its wait for the tile's buffer, value warpgroup 1 (warp 12) had P V done, the producer's loop top for the
+tile. The wgmma kernels (dual, wgmma,
 skinny) keep their stamps in global memory and a one-thread kernel prints them after each call (since session 22: a
 printf inside them made ptxas serialise their wgmma, so earlier traces timed a slower S than the real kernel's).
 """

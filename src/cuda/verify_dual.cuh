@@ -662,6 +662,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           if (!kProd && warp == 15) KDTREE_DTRACE(12);   // the last value warp's refill issued
           wg::wg_wait0();
           if (warp == 8) KDTREE_DTRACE(11);   // P V done
+          if (kProd && warp == 12) KDTREE_DTRACE(14);   // (producer form) value warpgroup 1's P V done
         }
         // release: its score warpgroup writes P / alpha again (after the step's last tile)
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
@@ -716,6 +717,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       // (q_full completes once per item: waited once per item, also when the item has no more than kQFirst tiles)
       const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
       for (int t = 0; t < n_issue; ++t) {
+        if (warp == 16) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in
         wg::tile_slots<kProducerKeys>(prm, cx, t + 1, pt, next);
         if (kQFirst < kStages && t == kQFirst) {
           KDTREE_DSTART(pt == 0, 6);
@@ -724,6 +726,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         const int b = t % kStages;
         constexpr bool kHalf = KDTREE_DUAL_HALF_RELEASE && !Pair;
+        if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
         if (!kHalf && t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
         if (kHalf && t >= kStages) {   // empty_h's parities: bits b (warpgroup 0) and 4 + b (warpgroup 1)
           mbar_wait(&sm.empty_h[b][0], (empty_bits >> b) & 1u);

@@ -479,7 +479,7 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
 namespace trace {
 constexpr int kItems = 4;    // items recorded per block: the block's first four
 constexpr int kTiles = 32;   // tiles recorded per item: the first 32
-constexpr int kStamps = 13;  // per tile: 0-3 score side, 4-7 value side (the wgmma kernel's sm.trace), 8-12 dual extras
+constexpr int kStamps = 16;  // per tile: 0-3 score side, 4-7 value side (the wgmma kernel's sm.trace), 8-15 dual extras
 struct ItemRec { int item, tiles; long long total; };
 __device__ unsigned g_tile[2][kItems][kTiles][kStamps];   // blocks 0 and 1 (the dual kernel: block 0 only)
 __device__ ItemRec g_item[2][kItems];
