@@ -319,8 +319,8 @@ template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
   static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
-  constexpr bool kProd = kProducer<Pair, SRefill>;
-  constexpr int kRegs0 = kLaunchRegsOf<Pair, SRefill>;
+  [[maybe_unused]] constexpr bool kProd = kProducer<Pair, SRefill>;   // (unused where the body is not built: sm_120)
+  [[maybe_unused]] constexpr int kRegs0 = kLaunchRegsOf<Pair, SRefill>;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
