@@ -48,12 +48,17 @@ for i in "${!variants[@]}"; do
 done
 
 # the ENV: parts of variant i (or nothing for the default)
-venv() { local e=""; [ "$1" != default ] && for d in ${variants[$1]//+/ }; do [[ "$d" == ENV:* ]] && e="$e ${d#ENV:}"; done; echo $e; }
+venv() {
+  local e=""
+  [ "$1" != default ] && for d in ${variants[$1]//+/ }; do [[ "$d" == ENV:* ]] && e="$e ${d#ENV:}"; done
+  echo $e
+}
 
 if [ "${KDTREE_AB_TESTS:-1}" = 1 ]; then
   step "kernel tests of every variant (in parallel)"
   for i in "${!variants[@]}"; do
-    ( env $(venv $i) PYTHONPATH=/tmp/kd_ab$i timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernel_gpu.py \
+    ( env $(venv $i) PYTHONPATH=/tmp/kd_ab$i timeout 200 \
+        python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernel_gpu.py \
         > "$OUT/ab_tests_$i.log" 2>&1
       echo "variant $i (${variants[$i]}) tests rc=$? $(tail -1 "$OUT/ab_tests_$i.log" | cut -c1-120)"
       grep -E "^FAILED" "$OUT/ab_tests_$i.log" | head -3 | cut -c1-250 ) &
@@ -68,7 +73,8 @@ for ((r = 0; r < ${KDTREE_AB_ROUNDS:-2}; r++)); do
   for v in "${runs[@]}"; do
     step "round $r: $v"
     pp=""; [ "$v" != default ] && pp=/tmp/kd_ab$v
-    env $(venv $v) PYTHONPATH=$pp timeout 150 python3 benchmarks/bench.py --no-sglang --only "$ONLY" --out "$OUT/ab_${v}_r$r.json" \
+    env $(venv $v) PYTHONPATH=$pp timeout 150 \
+      python3 benchmarks/bench.py --no-sglang --only "$ONLY" --out "$OUT/ab_${v}_r$r.json" \
       > "$OUT/ab_${v}_r$r.log" 2>&1 || echo "bench rc=$? (see ab_${v}_r$r.log)"
   done
 done

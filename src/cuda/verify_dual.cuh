@@ -541,7 +541,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           sm.alpha[s][wrow + g] = alpha[0];
           sm.alpha[s][wrow + g + 8] = alpha[1];
         }
-        // P is read next by wgmma (the async proxy): fenced here, or (the producer form) by the value side after its waits
+        // P is read next by wgmma (the async proxy): fenced here, or (the producer form) by the value side after its
+        // waits
         if (KDTREE_DUAL_P_WRITER_FENCE || !kProd || Pair) fence_proxy_async();
         mbar_arrive(&sm.p_full[s]);
         bar_arrive(kBarPFull + s, 128 + kValueThreads);
@@ -635,8 +636,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
         if (warp == 8) KDTREE_DTRACE(5);
-        // the tile's V is read by wgmma (the async proxy); in the producer form this fence also orders P, whose writer
-        // fences nothing (KDTREE_DUAL_P_WRITER_FENCE): it follows the acquire of p_full, so it must stay after both waits
+        // the tile's V is read by wgmma (the async proxy); in the producer form this fence also orders P, whose
+        // writer fences nothing (KDTREE_DUAL_P_WRITER_FENCE): it follows the acquire of p_full, so it must stay after
+        // both waits
         fence_proxy_async();
         if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {

@@ -36,9 +36,9 @@ __global__ void kdtree_trace_dump_kernel() {
       }
       for (int t = 0; t < min(r.tiles, rec::kTiles); ++t) {
         const unsigned* e = rec::g_tile[b][k][t];
-        printf("TRACE block %d item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u | %6u %6u | %6u %6u %6u | %6u %6u %6u\n", b,
-               r.item, t, e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11], e[12], e[13], e[14],
-               e[15]);
+        printf("TRACE block %d item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u | %6u %6u | %6u %6u %6u"
+               " | %6u %6u %6u\n", b, r.item, t, e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10],
+               e[11], e[12], e[13], e[14], e[15]);
       }
     }
     rec::g_items[b] = 0;
