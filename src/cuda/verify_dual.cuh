@@ -172,9 +172,10 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 // - KDTREE_DUAL_HALF_RELEASE = 1 (not Pair): value warpgroup v releases the slabs it reads (4 v .. 4 v + 3) on its own
 //   mbarrier empty_h[b][v], and the producer copies tile t + 4's slabs 0-3 and 8 (the rope, read by S only) once value
 //   warpgroup 0 is done with tile t, slabs 4-7 once warpgroup 1 is: the copies are issued at the SM's intake rate
-//   (~1,100 clocks a tile in the trace), so the half that can start earlier lands earlier. Its TRACE build stamps e7
-//   from value warp 12 (warpgroup 1's release) instead of warp 8. Measured +28% (one quick round).
-// Both builds spill 12 B in the 32-register producer; the session's spill-free variants all came within 3%. A spill
+//   (~1,100 clocks a tile in the trace), so the half that can start earlier lands earlier. Measured +28% (one quick
+//   round).
+// Both builds spill in the 32-register producer (12 B each as measured; HALF_RELEASE 16 B since its copies go through
+// wg::copy_keys, the same copies in the same order); the session's spill-free variants all came within 3%. A spill
 // reload there may wait behind the producer's cp.async, so neither is ruled out until a spill-free build is timed:
 // with -DKDTREE_DUAL_PRODUCER_SCORE_REGS=56 -DKDTREE_DUAL_PRODUCER_REGS=48 (2 x 56 + 48 <= 160, what the value
 // warpgroups leave) the default and both builds have no spills (compiler only; not yet run).
@@ -187,8 +188,12 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #ifndef KDTREE_DUAL_HALF_RELEASE
 #define KDTREE_DUAL_HALF_RELEASE 0
 #endif
-constexpr bool kSplitFull = KDTREE_DUAL_SPLIT_FULL;
 constexpr int kSplitSlab = 5;   // full_a: slabs 0-4 (S's k-steps 0-19)
+// which instantiations take them: the producer form's default (not Pair, not SRefill)
+template <bool Pair, bool SRefill>
+constexpr bool kSplitFullOf = kProducer<Pair, SRefill> && KDTREE_DUAL_SPLIT_FULL && !Pair;
+template <bool Pair, bool SRefill>
+constexpr bool kHalfReleaseOf = kProducer<Pair, SRefill> && KDTREE_DUAL_HALF_RELEASE && !Pair;
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -282,16 +287,9 @@ __device__ __forceinline__ void gather_tile_split(Smem& sm, const Params& prm, c
                                                   const long long (&slot)[Keys]) {
   if (t >= cx.ntiles) return;
   const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
-  constexpr int kPer = kTileN / Keys;
-#pragma unroll
-  for (int h = 0; h < Keys; ++h)
-    wg::copy_key_chunks<kTileN, kSlabBytes, 0, kSplitSlab>(buf, prm, cx, t, i / wg::kThreadsPerKey + kPer * h,
-                                                           i % wg::kThreadsPerKey, slot[h]);
+  wg::copy_keys<Keys, kSlabBytes, 0, kSplitSlab>(buf, prm, cx, t, i, slot);
   wg::arrive_when_landed(&sm.full_a[b]);
-#pragma unroll
-  for (int h = 0; h < Keys; ++h)
-    wg::copy_key_chunks<kTileN, kSlabBytes, kSplitSlab, kSlabs>(buf, prm, cx, t, i / wg::kThreadsPerKey + kPer * h,
-                                                                i % wg::kThreadsPerKey, slot[h]);
+  wg::copy_keys<Keys, kSlabBytes, kSplitSlab, kSlabs>(buf, prm, cx, t, i, slot);
   wg::arrive_when_landed(&sm.full[b]);
 }
 
@@ -343,6 +341,11 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     for (int b = 0; b < kStages; ++b) {
       mbar_init(&sm.full[b], SRefill || kProd ? 128 : kValueThreads);
       mbar_init(&sm.empty[b], kValueThreads);
+      if (kSplitFullOf<Pair, SRefill>) mbar_init(&sm.full_a[b], 128);
+      if (kHalfReleaseOf<Pair, SRefill>) {
+        mbar_init(&sm.empty_h[b][0], 128);
+        mbar_init(&sm.empty_h[b][1], 128);
+      }
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&sm.p_full[i], 128);
@@ -354,10 +357,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     mbar_init(&sm.item_full, 1);
     mbar_init(&sm.q_land, 1);
     if (kProd) mbar_init(&sm.ring_free, kValueThreads);
-    if (kProd && kSplitFull)
-      for (int b = 0; b < kStages; ++b) mbar_init(&sm.full_a[b], 128);
-    if (kProd && KDTREE_DUAL_HALF_RELEASE)
-      for (int b = 0; b < kStages; ++b) mbar_init(&sm.empty_h[b][0], 128), mbar_init(&sm.empty_h[b][1], 128);
     fence_proxy_async();
   }
   __syncthreads();
@@ -368,7 +367,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
     uint32_t empty_bits = 0u;   // SRefill
-    constexpr bool kSplitS = kProd && kSplitFull && !Pair;
+    constexpr bool kSplitS = kSplitFullOf<Pair, SRefill>;
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
@@ -670,11 +669,11 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
         if constexpr (SRefill || kProd) {
           if (t + kStages < nt)   // its score warpgroup / the producer refills it: tile t + 4
-            mbar_arrive(kProd && KDTREE_DUAL_HALF_RELEASE && !Pair ? &sm.empty_h[b][v] : &sm.empty[b]);
+            mbar_arrive(kHalfReleaseOf<Pair, SRefill> ? &sm.empty_h[b][v] : &sm.empty[b]);
         } else {
           bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         }
-        if (warp == (kProd && KDTREE_DUAL_HALF_RELEASE ? 12 : 8)) KDTREE_DTRACE(7);
+        if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
@@ -727,7 +726,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           q_parity ^= 1u;
         }
         const int b = t % kStages;
-        constexpr bool kHalf = KDTREE_DUAL_HALF_RELEASE && !Pair;
+        constexpr bool kHalf = kHalfReleaseOf<Pair, SRefill>;
         if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
         if (!kHalf && t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
         if (kHalf && t >= kStages) {   // empty_h's parities: bits b (warpgroup 0) and 4 + b (warpgroup 1)
@@ -738,23 +737,16 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if constexpr (kHalf) {
           if (t < nt) {
             const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
-            auto copy = [&](auto lo, auto hi) {
-#pragma unroll
-              for (int h = 0; h < kProducerKeys; ++h)
-                wg::copy_key_chunks<kTileN, kSlabBytes, decltype(lo)::value, decltype(hi)::value>(
-                    buf, prm, cx, t, pt / wg::kThreadsPerKey + (kTileN / kProducerKeys) * h, pt % wg::kThreadsPerKey,
-                    slot[h]);
-            };
-            copy(std::integral_constant<int, 0>(), std::integral_constant<int, 4>());
-            copy(std::integral_constant<int, 8>(), std::integral_constant<int, 9>());
+            wg::copy_keys<kProducerKeys, kSlabBytes, 0, 4>(buf, prm, cx, t, pt, slot);
+            wg::copy_keys<kProducerKeys, kSlabBytes, 8, 9>(buf, prm, cx, t, pt, slot);   // the rope (read by S only)
             if (t >= kStages) {
               mbar_wait(&sm.empty_h[b][1], (empty_bits >> (4 + b)) & 1u);
               empty_bits ^= 1u << (4 + b);
             }
-            copy(std::integral_constant<int, 4>(), std::integral_constant<int, 8>());
+            wg::copy_keys<kProducerKeys, kSlabBytes, 4, 8>(buf, prm, cx, t, pt, slot);
             wg::arrive_when_landed(&sm.full[b]);
           }
-        } else if constexpr (kSplitFull && !Pair)
+        } else if constexpr (kSplitFullOf<Pair, SRefill>)
           gather_tile_split<kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         else
           gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)

@@ -340,14 +340,20 @@ __device__ __forceinline__ long long tile_key_slot(const Params& prm, const Item
 // arrives on the buffer's mbarrier `full` once they have landed. Past the last tile nothing is issued and nobody
 // arrives. Keys 1: 256 value threads (the wgmma and dual kernels); 2: 128 threads (the pingpong kernel's owner
 // warpgroup, the dual kernel's score warpgroups with SRefill).
+// copy_keys: the copies alone, of slabs [Slab0, Slab1) only (the dual kernel's experiments copy a tile in parts).
+template <int Keys, int SlabStride = kSlabBytes, int Slab0 = 0, int Slab1 = kSlabs>
+__device__ __forceinline__ void copy_keys(uint32_t buf, const Params& prm, const ItemCtx& cx, int t, int i,
+                                          const long long (&slot)[Keys]) {
+#pragma unroll
+  for (int h = 0; h < Keys; ++h)
+    copy_key_chunks<kTileN, SlabStride, Slab0, Slab1>(buf, prm, cx, t, i / kThreadsPerKey + (kTileN / Keys) * h,
+                                                      i % kThreadsPerKey, slot[h]);
+}
 template <int Keys, int SlabStride = kSlabBytes>
 __device__ __forceinline__ void copy_tile(uint32_t buf, unsigned long long* full, const Params& prm, const ItemCtx& cx,
                                           int t, int i, const long long (&slot)[Keys]) {
   if (t >= cx.ntiles) return;
-#pragma unroll
-  for (int h = 0; h < Keys; ++h)
-    copy_key_chunks<kTileN, SlabStride>(buf, prm, cx, t, i / kThreadsPerKey + (kTileN / Keys) * h, i % kThreadsPerKey,
-                                        slot[h]);
+  copy_keys<Keys, SlabStride>(buf, prm, cx, t, i, slot);
   arrive_when_landed(full);
 }
 // The slot ids of copier thread i's keys of tile t, as copy_tile takes them.
