@@ -840,6 +840,23 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
   }
 }
 
+// softmax_advance with a lazy reference (FlashAttention-4's conditional rescale): m_run is the reference a row's P
+// subtracts, and it moves to the row's maximum only when that exceeds it by more than tau (log2 units; at the row's
+// first visible key it always does), so P <= 2^tau and alpha is exactly 1 wherever the reference stays.
+__device__ __forceinline__ void softmax_advance_lazy(float (&tmax)[2], float (&m_run)[2], float (&m_use)[2],
+                                                     float (&alpha)[2], float tau) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+    const bool keep = tmax[half] <= m_run[half] + tau;   // (-inf <= -inf: a row with nothing visible yet keeps -inf)
+    const float m_new = keep ? m_run[half] : tmax[half];
+    m_use[half] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[half] = keep ? 1.f : fast_exp2(m_run[half] - m_use[half]);
+    m_run[half] = m_new;
+  }
+}
+
 // A warpgroup's own row sums move from its previous step's reference mu to this step's m_use: lfac is the factor that
 // rescales them (softmax_p_pairs' alpha, where each of two warpgroups keeps sums of its own steps).
 __device__ __forceinline__ void move_sums_reference(float (&mu)[2], const float (&m_use)[2], float (&lfac)[2]) {
