@@ -195,27 +195,21 @@ constexpr bool kSplitFullOf = kProducer<Pair, SRefill> && KDTREE_DUAL_SPLIT_FULL
 template <bool Pair, bool SRefill>
 constexpr bool kHalfReleaseOf = kProducer<Pair, SRefill> && KDTREE_DUAL_HALF_RELEASE && !Pair;
 
-// Two session-27 experiments on the value warpgroups' chain, off by default (PERF_LOG history 165): the trace had the
-// value side busy ~2,100 clocks a tile of which P V runs ~450, with P published ~2,000 clocks before they take it (the
-// score warpgroups wait for p_empty), so the value side's loop is the period.
-// - KDTREE_DUAL_LAZY_RESCALE = tau (> 0): a row's reference maximum (the m that P subtracts, chained between the score
-//   warpgroups) moves only when the row's maximum exceeds it by more than tau (log2 units), so P <= 2^tau and alpha is
-//   exactly 1 in almost every tile; the sums and O stay relative to the one reference, so the result is the same up
-//   to rounding.
-// - KDTREE_DUAL_PV_DEFER = 1: a value warpgroup issues P V (t) before P V (t - 1) has completed, and releases tile
-//   t - 1's buffer and P after it has; where a score warp had an alpha that is not 1 (its flag in resc), it waits for
-//   P V (t - 1) first and rescales O.
+// A lazy reference maximum (session 27, the producer form's default; PERF_LOG history 165-166), after FlashAttention-4's
+// conditional rescale: KDTREE_DUAL_LAZY_RESCALE = tau > 0 moves a row's reference maximum (the m that P subtracts,
+// chained between the score warpgroups) only when the row's maximum exceeds it by more than tau (log2 units), so P <=
+// 2^tau (bf16 keeps its relative precision there) and alpha is exactly 1 in almost every tile: the value warpgroups'
+// rescale of O is skipped (rescale_o, per warp), and the sums and O stay relative to one reference, so the result is
+// the same up to rounding. Measured (H200, A/B within one run, means of two): tau 8 -1.9% at H16 N9 P131072 (118.3
+// against 120.5 us), -3.1% P185000, -3.3% H128 N9 P32768, -4.5% B8, -2.4% P8192.
+// Measured and removed (history 165; commit df8ba6a holds it): KDTREE_DUAL_PV_DEFER, P V (t) issued before P V (t - 1)
+// completed (O rescaled behind a wait where a score warp flagged an alpha that is not 1): +4.0% with tau 8, +8.8%
+// without.
 #ifndef KDTREE_DUAL_LAZY_RESCALE
-#define KDTREE_DUAL_LAZY_RESCALE 0
-#endif
-#ifndef KDTREE_DUAL_PV_DEFER
-#define KDTREE_DUAL_PV_DEFER 0
+#define KDTREE_DUAL_LAZY_RESCALE (KDTREE_DUAL_PRODUCER ? 8 : 0)
 #endif
 template <bool Pair, bool SRefill>
 constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0 && !Pair;
-template <bool Pair, bool SRefill>
-constexpr bool kDeferOf = kProducer<Pair, SRefill> && KDTREE_DUAL_PV_DEFER && !Pair;
-static_assert(!(KDTREE_DUAL_PV_DEFER && KDTREE_DUAL_SPLIT_FULL), "KDTREE_DUAL_PV_DEFER's flags share full_a's room");
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -236,10 +230,7 @@ struct Smem {
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
   unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
-  union {   // (shared memory is full to the byte: the two experiments exclude each other)
-    unsigned long long full_a[kStages]; // KDTREE_DUAL_SPLIT_FULL: the tile's first kSplitSlab slabs landed (128)
-    unsigned int resc[2];   // KDTREE_DUAL_PV_DEFER: byte w of resc[s]: score warp w of warpgroup s had an alpha != 1
-  };
+  unsigned long long full_a[kStages]; // KDTREE_DUAL_SPLIT_FULL: the tile's first kSplitSlab slabs landed (128 arrivals)
   unsigned long long empty_h[kStages][2];   // KDTREE_DUAL_HALF_RELEASE: value warpgroup v done with buffer b (128)
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
@@ -568,10 +559,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           sm.alpha[s][wrow + g] = alpha[0];
           sm.alpha[s][wrow + g + 8] = alpha[1];
         }
-        if constexpr (kDeferOf<Pair, SRefill>) {   // (published with P by p_full)
-          const bool any = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
-          if (lane == 0) reinterpret_cast<unsigned char*>(&sm.resc[s])[warp & 3] = any;
-        }
         // P is read next by wgmma (the async proxy): fenced here, or (the producer form) by the value side after its
         // waits
         if (KDTREE_DUAL_P_WRITER_FENCE || !kProd || Pair) fence_proxy_async();
@@ -671,33 +658,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         // writer fences nothing (KDTREE_DUAL_P_WRITER_FENCE): it follows the acquire of p_full, so it must stay after
         // both waits
         fence_proxy_async();
-        if constexpr (kDeferOf<Pair, SRefill>) {   // (KDTREE_DUAL_PV_DEFER: not Pair, so every tile is first)
-          const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
-          constexpr int kStride = Ring<Pair>::kSlabStride;
-          const SmemDesc vd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b) + (4 * v) * kStride, kStride, 1024);
-          if (sm.resc[s] != 0u) {   // (the same word for the whole warpgroup) O is read: P V (t - 1) first
-            wg::wg_wait0();
-            wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
-          }
-          wg::wg_fence();
-#pragma unroll
-          for (int kk = 0; kk < kPvSteps; ++kk) {
-            const uint64_t da = pd + ((kk * 32) >> 4);
-            wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
-            wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kStride + kk * 16 * 128));
-          }
-          wg::wg_commit();
-          if (warp == 8) KDTREE_DTRACE(10);   // P V issued
-          wg::wg_wait_group<1>();   // P V (t - 1) done: its P and buffer go back
-          if (warp == 8) KDTREE_DTRACE(11);   // (P V (t - 1) done)
-          if (kProd && warp == 12) KDTREE_DTRACE(14);
-          if (t > 0) {
-            if (t + 1 < nu) mbar_arrive(&sm.p_empty[s ^ 1]);   // tile t - 1's score warpgroup, step t - 1 + 2 < nu
-            if (t - 1 + kStages < nt) mbar_arrive(&sm.empty[(t - 1) % kStages]);
-          }
-          if (warp == 8) KDTREE_DTRACE(7);
-          continue;
-        }
         if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {
           const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
@@ -734,7 +694,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         if (warp == 8) KDTREE_DTRACE(7);
       }
-      if constexpr (kDeferOf<Pair, SRefill>) wg::wg_wait0();   // P V of the item's last tile (it releases nothing)
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
       // the ring's first 64 KB hold the rows on their way out: every tile's S and P V is done (the score side's last S

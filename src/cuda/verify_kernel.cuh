@@ -843,6 +843,10 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
 // softmax_advance with a lazy reference (FlashAttention-4's conditional rescale): m_run is the reference a row's P
 // subtracts, and it moves to the row's maximum only when that exceeds it by more than tau (log2 units; at the row's
 // first visible key it always does), so P <= 2^tau and alpha is exactly 1 wherever the reference stays.
+// KDTREE_MMA_LAZY_RESCALE = tau (> 0): the mma.sync split kernel (the sm_120 path) takes it (session 27 experiment).
+#ifndef KDTREE_MMA_LAZY_RESCALE
+#define KDTREE_MMA_LAZY_RESCALE 0
+#endif
 __device__ __forceinline__ void softmax_advance_lazy(float (&tmax)[2], float (&m_run)[2], float (&m_use)[2],
                                                      float (&alpha)[2], float tau) {
 #pragma unroll
@@ -1167,7 +1171,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
             tmax[1] = fmaxf(tmax[1], sm.mx[slot][1 - kh][wrow + g + 8]);
           }
           float alpha[2], m_use[2];
-          softmax_advance(tmax, m_run, m_use, alpha);
+          if constexpr (KDTREE_MMA_LAZY_RESCALE > 0)   // (m_run: the rows' reference)
+            softmax_advance_lazy(tmax, m_run, m_use, alpha, float(KDTREE_MMA_LAZY_RESCALE));
+          else
+            softmax_advance(tmax, m_run, m_use, alpha);
           softmax_p_pairs<kGroups>(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
             const int row = wrow + g + half * 8;
             *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, kh * kGroups + nt) + 2 * c) = pair;
