@@ -843,9 +843,12 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
 // softmax_advance with a lazy reference (FlashAttention-4's conditional rescale): m_run is the reference a row's P
 // subtracts, and it moves to the row's maximum only when that exceeds it by more than tau (log2 units; at the row's
 // first visible key it always does), so P <= 2^tau and alpha is exactly 1 wherever the reference stays.
-// KDTREE_MMA_LAZY_RESCALE = tau (> 0): the mma.sync split kernel (the sm_120 path) takes it (session 27 experiment).
+// KDTREE_MMA_LAZY_RESCALE = tau (> 0; 0 turns it off): the mma.sync split kernel (the sm_120 path) takes it, as the
+// dual kernel's KDTREE_DUAL_LAZY_RESCALE (session 27, PERF_LOG history 167). Measured on the H200 with the sm_120 depth
+// (KDTREE_SPLIT_STAGES=2; A/B within one run, means of two): tau 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us),
+// -2.0% B8, -0.3% H128 N9 P32768.
 #ifndef KDTREE_MMA_LAZY_RESCALE
-#define KDTREE_MMA_LAZY_RESCALE 0
+#define KDTREE_MMA_LAZY_RESCALE 8
 #endif
 __device__ __forceinline__ void softmax_advance_lazy(float (&tmax)[2], float (&m_run)[2], float (&m_use)[2],
                                                      float (&alpha)[2], float tau) {
