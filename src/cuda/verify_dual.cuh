@@ -211,6 +211,17 @@ constexpr bool kHalfReleaseOf = kProducer<Pair, SRefill> && KDTREE_DUAL_HALF_REL
 template <bool Pair, bool SRefill>
 constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0 && !Pair;
 
+// KDTREE_DUAL_SLOT_AHEAD = 2 (session 27, not yet run; PERF_LOG next step 0a): the producer loads tile t + 2's slot
+// ids at the top of tile t instead of tile t + 1's. The new default's trace has the producer's own loop as the period
+// (~1,760 clocks: ~950 issuing a tile's 18 cp.async per thread, ~670 between tiles, ~160 waiting for the buffer); the
+// SASS moves the slot ids loaded at the top of a tile into the copy registers at its end, and those moves wait ~340
+// clocks, as if a load queued behind the tile's cp.async. 1 (the default) loads one tile ahead.
+#ifndef KDTREE_DUAL_SLOT_AHEAD
+#define KDTREE_DUAL_SLOT_AHEAD 1
+#endif
+constexpr int kSlotAhead = KDTREE_DUAL_SLOT_AHEAD;
+static_assert(kSlotAhead == 1 || kSlotAhead == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
+
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
   unsigned char kv[kStages][kTileBytes];   // 147,456
@@ -729,8 +740,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();
 #endif
-      long long slot[kProducerKeys], next[kProducerKeys];
+      long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
+      if constexpr (kSlotAhead == 2) wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
       // racecheck does not take a barrier between roles for a hand-off, history 53 / 156: an mbarrier it does)
       if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
@@ -738,7 +750,10 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
       for (int t = 0; t < n_issue; ++t) {
         if (warp == 16) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in
-        wg::tile_slots<kProducerKeys>(prm, cx, t + 1, pt, next);
+        if constexpr (kSlotAhead == 2)
+          wg::tile_slots<kProducerKeys>(prm, cx, t + 2, pt, ahead);
+        else
+          wg::tile_slots<kProducerKeys>(prm, cx, t + 1, pt, next);
         if (kQFirst < kStages && t == kQFirst) {
           KDTREE_DSTART(pt == 0, 6);
           mbar_wait(&sm.q_full, q_parity);
@@ -774,7 +789,10 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);
         if (t == kStages - 1) KDTREE_DSTART(pt == 0, 7);
 #pragma unroll
-        for (int h = 0; h < kProducerKeys; ++h) slot[h] = next[h];
+        for (int h = 0; h < kProducerKeys; ++h) {
+          slot[h] = next[h];
+          if constexpr (kSlotAhead == 2) next[h] = ahead[h];
+        }
       }
       sync_block_roles();   // the value side's staged store has left the ring before the next item's copies
     }
