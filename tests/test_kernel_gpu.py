@@ -125,6 +125,27 @@ def test_many_work_items_per_block(requests):
     _check(out, args)
 
 
+def _rising_scores(batch, prefix, split=0.85):
+    """Scale the request's prefix key rows along the prefix: x1 -> x3 over the first `split` of it, x8 -> x10 after.
+    Row maxima keep rising by small steps and then jump by ~50 (log2 units) at the boundary."""
+    idx = batch.kv_indices
+    cut = int(prefix * split)
+    scale = torch.cat([torch.linspace(1.0, 3.0, cut), torch.linspace(8.0, 10.0, prefix - cut)]).to(idx.device)
+    batch.kv_buffer[idx] = (batch.kv_buffer[idx].float() * scale.view(-1, 1, 1)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+def test_rising_and_jumping_row_maxima(tokens):
+    # the lazy reference maximum (KDTREE_DUAL_LAZY_RESCALE, KDTREE_MMA_LAZY_RESCALE; session 27): a row keeps its
+    # reference while its maximum rises by less than tau, so P reaches up to 2^tau for many tiles, and moves it when a
+    # tile's maximum is far above (here, the 8-10x scaled keys after 85% of the prefix, in some split's middle)
+    prefix = 40000
+    batch = make_verify_batch([prefix], 16, tokens, kind="tree", device="cuda", seed=31 + tokens)
+    _rising_scores(batch, prefix)
+    out, args = _run(batch)
+    _check(out, args)
+
+
 def test_empty_request_in_batch():
     batch = make_verify_batch([100, 0, 300], 4, 9, device="cuda", seed=2)
     out, args = _run(batch)
