@@ -127,7 +127,7 @@ def test_many_work_items_per_block(requests):
 
 def _rising_scores(batch, prefix, split=0.85):
     """Scale the request's prefix key rows along the prefix: x1 -> x3 over the first `split` of it, x8 -> x10 after.
-    Row maxima keep rising by small steps and then jump by ~50 (log2 units) at the boundary."""
+    Row maxima keep rising by small steps and then jump by ~60 (log2 units) at the boundary."""
     idx = batch.kv_indices
     cut = int(prefix * split)
     scale = torch.cat([torch.linspace(1.0, 3.0, cut), torch.linspace(8.0, 10.0, prefix - cut)]).to(idx.device)

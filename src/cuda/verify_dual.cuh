@@ -210,6 +210,7 @@ constexpr bool kHalfReleaseOf = kProducer<Pair, SRefill> && KDTREE_DUAL_HALF_REL
 #endif
 template <bool Pair, bool SRefill>
 constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0 && !Pair;
+static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) or tau > 0");
 
 // KDTREE_DUAL_SLOT_AHEAD = 2 (session 27, not yet run; PERF_LOG next step 0a): the producer loads tile t + 2's slot
 // ids at the top of tile t instead of tile t + 1's. The new default's trace has the producer's own loop as the period
@@ -529,10 +530,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(2);
         float m_use[2], alpha[2];
-        if constexpr (kLazyOf<Pair, SRefill>)   // m_run: this step's reference
-          softmax_advance_lazy(tmax, m_run, m_use, alpha, float(KDTREE_DUAL_LAZY_RESCALE));
-        else
-          softmax_advance(tmax, m_run, m_use, alpha);   // m_run: this step's m; alpha rescales O (relative to the last)
+        // m_run: this step's reference (its m without the lazy reference); alpha rescales O (relative to the last)
+        softmax_advance_tau<kLazyOf<Pair, SRefill> ? KDTREE_DUAL_LAZY_RESCALE : 0>(tmax, m_run, m_use, alpha);
         if (u + 1 < nu) {   // the other warpgroup's next step reads it (which orders this store after its read of the last)
           if (c == 0) {
             sm.m[s][wrow + g] = m_run[0];

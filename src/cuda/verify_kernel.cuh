@@ -823,6 +823,12 @@ __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx&
   }
 }
 
+// A thread's row maximum reduced over its quad (the four threads that hold a row's columns).
+__device__ __forceinline__ float quad_max(float m) {
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+
 // One online-softmax step for the two rows (g, g+8) of an mma / wgmma accumulator: the tile's row
 // maxima (tmax, per thread) are reduced over the quad, the running maxima advance, and the factor
 // that rescales what was accumulated before comes back (m_use: the max to subtract, 0 for a row
@@ -831,8 +837,7 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
                                                 float (&alpha)[2]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
-    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+    tmax[half] = quad_max(tmax[half]);
     const float m_new = fmaxf(m_run[half], tmax[half]);
     m_use[half] = m_new == -INFINITY ? 0.f : m_new;
     alpha[half] = fast_exp2(m_run[half] - m_use[half]);
@@ -840,27 +845,33 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
   }
 }
 
-// softmax_advance with a lazy reference (FlashAttention-4's conditional rescale): m_run is the reference a row's P
-// subtracts, and it moves to the row's maximum only when that exceeds it by more than tau (log2 units; at the row's
-// first visible key it always does), so P <= 2^tau and alpha is exactly 1 wherever the reference stays.
-// KDTREE_MMA_LAZY_RESCALE = tau (> 0; 0 turns it off): the mma.sync split kernel (the sm_120 path) takes it, as the
-// dual kernel's KDTREE_DUAL_LAZY_RESCALE (session 27, PERF_LOG history 167). Measured on the H200 with the sm_120 depth
-// (KDTREE_SPLIT_STAGES=2; A/B within one run, means of two): tau 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us),
-// -2.0% B8, -0.3% H128 N9 P32768.
+// softmax_advance with a lazy reference for Tau > 0 (FlashAttention-4's conditional rescale; Tau 0: softmax_advance):
+// m_run is the reference a row's P subtracts, and it moves to the row's maximum only when that exceeds it by more than
+// Tau (log2 units; at the row's first visible key it always does), so P <= 2^Tau and alpha is exactly 1 wherever the
+// reference stays.
+// KDTREE_MMA_LAZY_RESCALE = Tau (0 turns it off): the mma.sync split kernel (the sm_120 path) takes it, as the dual
+// kernel's KDTREE_DUAL_LAZY_RESCALE (session 27, PERF_LOG history 167). Measured on the H200 with the sm_120 depth
+// (KDTREE_SPLIT_STAGES=2; A/B within one run, means of two): 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us), -2.0%
+// B8, -0.3% H128 N9 P32768.
 #ifndef KDTREE_MMA_LAZY_RESCALE
 #define KDTREE_MMA_LAZY_RESCALE 8
 #endif
-__device__ __forceinline__ void softmax_advance_lazy(float (&tmax)[2], float (&m_run)[2], float (&m_use)[2],
-                                                     float (&alpha)[2], float tau) {
+static_assert(KDTREE_MMA_LAZY_RESCALE >= 0, "KDTREE_MMA_LAZY_RESCALE: 0 (off) or tau > 0");
+template <int Tau>
+__device__ __forceinline__ void softmax_advance_tau(float (&tmax)[2], float (&m_run)[2], float (&m_use)[2],
+                                                    float (&alpha)[2]) {
+  if constexpr (Tau <= 0) {
+    softmax_advance(tmax, m_run, m_use, alpha);
+  } else {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
-    tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
-    const bool keep = tmax[half] <= m_run[half] + tau;   // (-inf <= -inf: a row with nothing visible yet keeps -inf)
-    const float m_new = keep ? m_run[half] : tmax[half];
-    m_use[half] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[half] = keep ? 1.f : fast_exp2(m_run[half] - m_use[half]);
-    m_run[half] = m_new;
+    for (int half = 0; half < 2; ++half) {
+      tmax[half] = quad_max(tmax[half]);
+      const bool keep = tmax[half] <= m_run[half] + float(Tau);   // (-inf <= -inf: nothing visible yet keeps -inf)
+      const float m_new = keep ? m_run[half] : tmax[half];
+      m_use[half] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[half] = keep ? 1.f : fast_exp2(m_run[half] - m_use[half]);
+      m_run[half] = m_new;
+    }
   }
 }
 
@@ -1158,10 +1169,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
             // the pair's row maxima meet in slot it % 2: stored, released on this warp's mbarrier, the other's
             // acquired (the other warp read this slot's previous value before its arrival one tile ago)
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
-              tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
-            }
+            for (int half = 0; half < 2; ++half) tmax[half] = quad_max(tmax[half]);
             const int slot = it & 1;
             if (c == 0) {
               sm.mx[slot][kh][wrow + g] = tmax[0];
@@ -1174,10 +1182,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
             tmax[1] = fmaxf(tmax[1], sm.mx[slot][1 - kh][wrow + g + 8]);
           }
           float alpha[2], m_use[2];
-          if constexpr (KDTREE_MMA_LAZY_RESCALE > 0)   // (m_run: the rows' reference)
-            softmax_advance_lazy(tmax, m_run, m_use, alpha, float(KDTREE_MMA_LAZY_RESCALE));
-          else
-            softmax_advance(tmax, m_run, m_use, alpha);
+          softmax_advance_tau<KDTREE_MMA_LAZY_RESCALE>(tmax, m_run, m_use, alpha);   // (m_run: the rows' reference)
           softmax_p_pairs<kGroups>(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
             const int row = wrow + g + half * 8;
             *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, kh * kGroups + nt) + 2 * c) = pair;
