@@ -57,8 +57,9 @@ constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (
 // on empty[b] once its P V of buffer b is done; the producer refills the buffer when all 256 have. ptxas sizes a
 // setmaxnreg kernel's launch for whole warpgroups (640 threads: 96 registers; a 17th warp alone would launch the block
 // at 96 as well and leave nothing to give the value warpgroups), so the producer is a whole warpgroup, 2 keys per
-// thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (32), score warpgroups
-// KDTREE_DUAL_PRODUCER_SCORE_REGS (64: no k-steps of q in registers, KDTREE_DUAL_QREG 0), value warpgroups
+// thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (48; 32 before session 28), score
+// warpgroups KDTREE_DUAL_PRODUCER_SCORE_REGS (56; 64 before session 28: no k-steps of q in registers, KDTREE_DUAL_QREG
+// 0), value warpgroups
 // KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap again
 // (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with KDTREE_DUAL_PAIR_PRODUCER=1,
 // SRefill never).
@@ -70,10 +71,10 @@ constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (
 #define KDTREE_DUAL_PRODUCER 1
 #endif
 #ifndef KDTREE_DUAL_PRODUCER_REGS
-#define KDTREE_DUAL_PRODUCER_REGS 32
+#define KDTREE_DUAL_PRODUCER_REGS 48
 #endif
 #ifndef KDTREE_DUAL_PRODUCER_SCORE_REGS
-#define KDTREE_DUAL_PRODUCER_SCORE_REGS 64
+#define KDTREE_DUAL_PRODUCER_SCORE_REGS 56
 #endif
 #ifndef KDTREE_DUAL_PRODUCER_VALUE_REGS
 #define KDTREE_DUAL_PRODUCER_VALUE_REGS 160
@@ -92,7 +93,9 @@ template <bool Pair, bool SRefill> constexpr int kThreadsOf = kProducer<Pair, SR
 // the launch's registers a thread, one block per SM: 128 at 512 threads, 96 at 640
 template <bool Pair, bool SRefill> constexpr int kLaunchRegsOf = (65536 / kThreadsOf<Pair, SRefill>) / 8 * 8;
 constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)
-constexpr int kProducerRegs = KDTREE_DUAL_PRODUCER_REGS;
+// (the pair instantiation with the producer holds 32 scores a thread: its score warpgroups keep session 25's 64
+// registers and its producer 32)
+template <bool Pair> constexpr int kProducerRegsOf = Pair ? 32 : KDTREE_DUAL_PRODUCER_REGS;
 // setmaxnreg: 2 x 96 + 2 x 160 = 512 = 4 x 128 (the launch's): the score warpgroups hold 16 scores and 32 registers
 // of q per thread (KDTREE_DUAL_QREG); 2 x 88 + 2 x 168 without q in registers. With Pair they hold 32 scores per
 // thread, not 16, and with SRefill they gather the keys: 2 x 96 + 2 x 160.
@@ -109,7 +112,7 @@ constexpr int kQReg = KDTREE_DUAL_QREG;
 static_assert(kQReg >= 0 && kQReg <= 8, "KDTREE_DUAL_QREG: 0 .. 8 k-steps");
 template <bool Pair, bool SRefill>
 constexpr int kScoreRegs =
-    kProducer<Pair, SRefill> ? KDTREE_DUAL_PRODUCER_SCORE_REGS : Pair || SRefill || kQReg > 0 ? 96 : 88;
+    kProducer<Pair, SRefill> ? (Pair ? 64 : KDTREE_DUAL_PRODUCER_SCORE_REGS) : Pair || SRefill || kQReg > 0 ? 96 : 88;
 template <bool Pair, bool SRefill>
 constexpr int kValueRegs =
     kProducer<Pair, SRefill> ? KDTREE_DUAL_PRODUCER_VALUE_REGS : Pair || SRefill || kQReg > 0 ? 160 : 168;
@@ -119,7 +122,7 @@ template <bool Pair, bool SRefill>
 constexpr bool kRegPoolFits =
     2 * (kValueRegs<Pair, SRefill> - kLaunchRegsOf<Pair, SRefill>) <=
     2 * (kLaunchRegsOf<Pair, SRefill> - kScoreRegs<Pair, SRefill>) +
-        (kProducer<Pair, SRefill> ? kLaunchRegsOf<Pair, SRefill> - kProducerRegs : 0);
+        (kProducer<Pair, SRefill> ? kLaunchRegsOf<Pair, SRefill> - kProducerRegsOf<Pair> : 0);
 static_assert(kRegPoolFits<false, false> && kRegPoolFits<true, false> && kRegPoolFits<false, true>, "register pool");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
@@ -212,13 +215,17 @@ template <bool Pair, bool SRefill>
 constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0 && !Pair;
 static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) or tau > 0");
 
-// KDTREE_DUAL_SLOT_AHEAD = 2 (session 27, not yet run; PERF_LOG next step 0a): the producer loads tile t + 2's slot
-// ids at the top of tile t instead of tile t + 1's. The new default's trace has the producer's own loop as the period
-// (~1,760 clocks: ~950 issuing a tile's 18 cp.async per thread, ~670 between tiles, ~160 waiting for the buffer); the
-// SASS moves the slot ids loaded at the top of a tile into the copy registers at its end, and those moves wait ~340
-// clocks, as if a load queued behind the tile's cp.async. 1 (the default) loads one tile ahead.
+// KDTREE_DUAL_SLOT_AHEAD = 2 (session 27; the default since session 28, PERF_LOG history 170-171): the producer loads
+// tile t + 2's slot ids at the top of tile t instead of tile t + 1's. Session 27's trace had the producer's own loop
+// as the period (~1,760 clocks: ~950 issuing a tile's 18 cp.async per thread, ~670 between tiles, ~160 waiting for the
+// buffer); the SASS moves the slot ids loaded at the top of a tile into the copy registers at its end, and those moves
+// waited ~340 clocks, as if a load queued behind the tile's cp.async. 1 loads one tile ahead. Measured (H200, A/B
+// within one run, means of two, two calls), with the producer at 48 registers and the score warpgroups at 56 (the
+// split alone is neutral, history 165): H16 N9 P131072 -1.3 / -1.8%, P185000 -0.7 / -1.1%, contiguous -1.3 / -1.6%,
+// P8192 -0.2 / -0.6%, B8 +1.1 / -0.4%, H128 N9 +0.6 / +0.7%; at 32 producer registers alone -0.5%. The TRACE build of
+// this default spills 12 B (compiler), so its traced times are an upper bound.
 #ifndef KDTREE_DUAL_SLOT_AHEAD
-#define KDTREE_DUAL_SLOT_AHEAD 1
+#define KDTREE_DUAL_SLOT_AHEAD 2
 #endif
 constexpr int kSlotAhead = KDTREE_DUAL_SLOT_AHEAD;
 static_assert(kSlotAhead == 1 || kSlotAhead == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
@@ -742,7 +749,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
     // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the next tile's slot ids a tile
     // ahead
-    wg::set_max_regs<kProducerRegs, kRegs0>();
+    wg::set_max_regs<kProducerRegsOf<Pair>, kRegs0>();
     const int pt = tid - 512;   // 0..127
     // KDTREE_DUAL_PRODUCER_HALVES: half h = pt / 64 copies tiles h, h + 2, ... as copier ci = pt % 64 of 64, and its
     // first warp stamps them (TRACE); otherwise every thread every tile, as copier pt of 128
