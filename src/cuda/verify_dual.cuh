@@ -244,25 +244,6 @@ constexpr bool kProducerHalvesOf = kProducer<Pair, SRefill> && KDTREE_DUAL_PRODU
 static_assert(!KDTREE_DUAL_PRODUCER_HALVES || (!KDTREE_DUAL_SPLIT_FULL && !KDTREE_DUAL_HALF_RELEASE),
               "KDTREE_DUAL_PRODUCER_HALVES: not with KDTREE_DUAL_SPLIT_FULL or KDTREE_DUAL_HALF_RELEASE");
 
-// KDTREE_DUAL_P_IN_RING = 1 (session 28, opt-in; PERF_LOG next step 0a): P of tile t goes into its own key buffer's
-// rope slab (slab 8, read only by S, which is done with it by then: the pair form's place for P), alpha into a
-// per-buffer row of the p[] bytes, and p_full into one mbarrier per buffer there (p_ring). A score warpgroup then
-// publishes P (t) without waiting for the value side to be done with its P (t - 2) (p_empty): in session 28's traces
-// that wait is ~900-1,500 of its ~1,500-2,000 clocks from S done to P published. The buffer's release (empty, after
-// both value warpgroups' P V) covers P's reuse. The value side waits on the buffer's p_full (no named-barrier
-// wake-up: the per-warpgroup barrier could be arrived at twice before one wait). The four warps of a score warpgroup
-// meet (named barrier kBarScoreWg + s) between S's completion and the first P store, since another warp's part of S
-// may still read the rope slab.
-#ifndef KDTREE_DUAL_P_IN_RING
-#define KDTREE_DUAL_P_IN_RING 0
-#endif
-static_assert(KDTREE_DUAL_P_IN_RING == 0 || KDTREE_DUAL_P_IN_RING == 1, "KDTREE_DUAL_P_IN_RING: 0 or 1");
-template <bool Pair, bool SRefill>
-constexpr bool kPRingOf = kProducer<Pair, SRefill> && KDTREE_DUAL_P_IN_RING && !Pair;
-static_assert(!KDTREE_DUAL_P_IN_RING || (!KDTREE_DUAL_SPLIT_FULL && !KDTREE_DUAL_HALF_RELEASE),
-              "KDTREE_DUAL_P_IN_RING: not with KDTREE_DUAL_SPLIT_FULL or KDTREE_DUAL_HALF_RELEASE");
-constexpr int kBarScoreWg = 6;   // + s (KDTREE_DUAL_P_IN_RING): score warpgroup s's four warps, S done
-
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
   unsigned char kv[kStages][kTileBytes];   // 147,456
@@ -337,18 +318,6 @@ template <bool Pair>
 __device__ __forceinline__ unsigned char* p_buffer(Smem& sm, int s, int b) {
   return Pair ? &sm.kv[0][0] + Ring<Pair>::buffer(b) + (kSlabs - 1) * Ring<Pair>::kSlabStride : &sm.p[s][0];
 }
-// KDTREE_DUAL_P_IN_RING: P of the tile in buffer b (its rope slab), its alpha row and its p_full mbarrier (in the
-// p[] bytes, which that form does not use for P)
-__device__ __forceinline__ unsigned char* p_ring(Smem& sm, int b) {
-  return &sm.kv[0][0] + Ring<false>::buffer(b) + (kSlabs - 1) * kSlabBytes;
-}
-__device__ __forceinline__ float* alpha_ring(Smem& sm, int b) {
-  return reinterpret_cast<float*>(&sm.p[0][0]) + b * kBlockM;
-}
-__device__ __forceinline__ unsigned long long* p_full_ring(Smem& sm, int b) {
-  return reinterpret_cast<unsigned long long*>(&sm.p[1][0]) + b;
-}
-static_assert(kStages * kBlockM * 4 <= kPBytes && kStages * 8 <= kPBytes, "P_IN_RING: alpha and p_full in p[]");
 
 // Copier thread i's part of tile t (Keys keys: wg::copy_tile) into ring buffer b, then its arrival on the buffer's
 // mbarrier once it has landed; nothing past the item's last tile.
@@ -437,8 +406,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     mbar_init(&sm.item_full, 1);
     mbar_init(&sm.q_land, 1);
     if (kProd) mbar_init(&sm.ring_free, kValueThreads);
-    if constexpr (kPRingOf<Pair, SRefill>)
-      for (int b = 0; b < kStages; ++b) mbar_init(p_full_ring(sm, b), 128);
     fence_proxy_async();
   }
   __syncthreads();
@@ -596,19 +563,17 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         // this warpgroup's sums move from its previous step's reference to this one's
         float lfac[2];
         move_sums_reference(mu, m_use, lfac);
-        constexpr bool kPRing = kPRingOf<Pair, SRefill>;
-        if (!kPRing && u >= 2) {   // the value warpgroups are done with this warpgroup's previous P and alpha
+        if (u >= 2) {   // the value warpgroups are done with this warpgroup's previous P and alpha
           mbar_wait(&sm.p_empty[s], pe_parity);
           pe_parity ^= 1u;
         }
-        if constexpr (kPRing) bar_sync(kBarScoreWg + s, 128);   // S (t) done in all four warps: its rope slab is free
         // key group j of the step: group j & 3 of tile t + (j >> 2), whose P is in that tile's buffer (Pair: buffer
         // 2 s + (j >> 2)) or p[s]
         if constexpr (KDTREE_DUAL_P_STMATRIX && kProd && !Pair) {
           // matrix j of half h: rows wrow + 8 h .. + 7, key group j; lane l gives row l % 8 of matrix l / 8
           uint32_t pr[2][4];
           softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) { pr[half][j] = pair; });
-          const uint32_t p0 = smem_u32(kPRing ? p_ring(sm, t % kStages) : &sm.p[s][0]);
+          const uint32_t p0 = smem_u32(&sm.p[s][0]);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int row = wrow + half * 8 + (lane & 7);
@@ -617,24 +582,19 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         } else {
           softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) {
             const int row = wrow + g + half * 8;
-            unsigned char* const p = kPRing ? p_ring(sm, t % kStages) : p_buffer<Pair>(sm, s, 2 * s + (j >> 2));
+            unsigned char* const p = p_buffer<Pair>(sm, s, 2 * s + (j >> 2));
             *reinterpret_cast<uint32_t*>(&p[row * kPRowBytes + (((j & 3) ^ ((row >> 1) & 3)) << 4) + 4 * c]) = pair;
           });
         }
         if (c == 0) {
-          float* const al = kPRing ? alpha_ring(sm, t % kStages) : &sm.alpha[s][0];
-          al[wrow + g] = alpha[0];
-          al[wrow + g + 8] = alpha[1];
+          sm.alpha[s][wrow + g] = alpha[0];
+          sm.alpha[s][wrow + g + 8] = alpha[1];
         }
         // P is read next by wgmma (the async proxy): fenced here, or (the producer form) by the value side after its
         // waits
         if (KDTREE_DUAL_P_WRITER_FENCE || !kProd || Pair) fence_proxy_async();
-        if constexpr (kPRing) {
-          mbar_arrive(p_full_ring(sm, t % kStages));
-        } else {
-          mbar_arrive(&sm.p_full[s]);
-          bar_arrive(kBarPFull + s, 128 + kValueThreads);
-        }
+        mbar_arrive(&sm.p_full[s]);
+        bar_arrive(kBarPFull + s, 128 + kValueThreads);
         if ((warp & 3) == 0) KDTREE_DTRACE(3);
       }
 
@@ -718,11 +678,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         const int s = u & 1;
         const bool first = !Pair || (t & 1) == 0;   // the step's first tile: its P / alpha to wait for, O to rescale
         if (warp == 8) KDTREE_DTRACE(4);
-        constexpr bool kPRing = kPRingOf<Pair, SRefill>;
-        if (kPRing) {   // P / alpha of tile t, in buffer b (parities in pf_bits' bits 0-3)
-          mbar_wait(p_full_ring(sm, b), (pf_bits >> b) & 1u);
-          pf_bits ^= 1u << b;
-        } else if (first) {
+        if (first) {
           bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of the step: wake up ...
           mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
           pf_bits ^= 1u << s;
@@ -733,12 +689,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         // writer fences nothing (KDTREE_DUAL_P_WRITER_FENCE): it follows the acquire of p_full, so it must stay after
         // both waits
         fence_proxy_async();
-        if (first) {
-          const float* const al = kPRing ? alpha_ring(sm, b) : &sm.alpha[s][0];
-          wg::rescale_o(o, al[wrow + g], al[wrow + g + 8]);
-        }
+        if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
         {
-          const uint64_t pd = desc_sw64(smem_u32(kPRing ? p_ring(sm, b) : p_buffer<Pair>(sm, s, b)));
+          const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
           constexpr int kStride = Ring<Pair>::kSlabStride;
           const SmemDesc vd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b) + (4 * v) * kStride, kStride, 1024);
           wg::wg_fence();
@@ -763,7 +716,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           if (kProd && warp == 12) KDTREE_DTRACE(14);   // (producer form) value warpgroup 1's P V done
         }
         // release: its score warpgroup writes P / alpha again (after the step's last tile)
-        if (!kPRing && (!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
+        if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
         if constexpr (SRefill || kProd) {
           if (t + kStages < nt)   // its score warpgroup / the producer refills it: tile t + 4
             mbar_arrive(kHalfReleaseOf<Pair, SRefill> ? &sm.empty_h[b][v] : &sm.empty[b]);
