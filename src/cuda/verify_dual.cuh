@@ -229,20 +229,12 @@ static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) 
 #endif
 constexpr int kSlotAhead = KDTREE_DUAL_SLOT_AHEAD;
 static_assert(kSlotAhead == 1 || kSlotAhead == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
-
-// KDTREE_DUAL_PRODUCER_HALVES = 1 (session 28, opt-in; PERF_LOG next step 0a): the producer warpgroup as two halves on
-// alternate tiles. Warps 16-17 copy the even tiles (buffers 0 and 2), warps 18-19 the odd ones (1 and 3), 4 keys a
-// thread, so that one half's time between its tiles (the next tile's slot ids, its wait for the buffer: ~830 of the
-// ~1,760 traced clocks a tile, history 169) runs while the other half issues. Both halves share the SM's intake rate,
-// so the issue itself (~950 clocks for 36 KB) stays the floor of that link. Not with SPLIT_FULL or HALF_RELEASE.
-#ifndef KDTREE_DUAL_PRODUCER_HALVES
-#define KDTREE_DUAL_PRODUCER_HALVES 0
-#endif
-static_assert(KDTREE_DUAL_PRODUCER_HALVES == 0 || KDTREE_DUAL_PRODUCER_HALVES == 1, "KDTREE_DUAL_PRODUCER_HALVES: 0 or 1");
-template <bool Pair, bool SRefill>
-constexpr bool kProducerHalvesOf = kProducer<Pair, SRefill> && KDTREE_DUAL_PRODUCER_HALVES && !Pair;
-static_assert(!KDTREE_DUAL_PRODUCER_HALVES || (!KDTREE_DUAL_SPLIT_FULL && !KDTREE_DUAL_HALF_RELEASE),
-              "KDTREE_DUAL_PRODUCER_HALVES: not with KDTREE_DUAL_SPLIT_FULL or KDTREE_DUAL_HALF_RELEASE");
+// Measured and removed in session 28 (PERF_LOG history 171, 174):
+// - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
+//   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
+// - P of tile t in its own buffer's rope slab, with alpha and p_full per buffer, so that no score warpgroup waits on
+//   p_empty (KDTREE_DUAL_P_IN_RING, commit 696aa2e): +3.4 to +4.0% at the long prefixes without spills, +8.5 to
+//   +10.4% with the 20 B per item that it spills at 56 score registers.
 
 struct Smem {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
@@ -388,7 +380,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
 
   if (tid == 0) {
     for (int b = 0; b < kStages; ++b) {
-      mbar_init(&sm.full[b], kProducerHalvesOf<Pair, SRefill> ? 64 : SRefill || kProd ? 128 : kValueThreads);
+      mbar_init(&sm.full[b], SRefill || kProd ? 128 : kValueThreads);
       mbar_init(&sm.empty[b], kValueThreads);
       if (kSplitFullOf<Pair, SRefill>) mbar_init(&sm.full_a[b], 128);
       if (kHalfReleaseOf<Pair, SRefill>) {
@@ -751,15 +743,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     // ahead
     wg::set_max_regs<kProducerRegsOf<Pair>, kRegs0>();
     const int pt = tid - 512;   // 0..127
-    // KDTREE_DUAL_PRODUCER_HALVES: half h = pt / 64 copies tiles h, h + 2, ... as copier ci = pt % 64 of 64, and its
-    // first warp stamps them (TRACE); otherwise every thread every tile, as copier pt of 128
-    constexpr bool kHalves = kProducerHalvesOf<Pair, SRefill>;
-    constexpr int kTStep = kHalves ? 2 : 1;
-    constexpr int kKeys = kProducerKeys * kTStep;
-    const int half = kHalves ? pt >> 6 : 0;
-    const int ci = kHalves ? pt & 63 : pt;
-    [[maybe_unused]] const int swarp = 16 + 2 * half;
-    static_assert(!kHalves || kQFirst + 2 <= kStages, "each half's padding tiles stay in the first ring");
     uint32_t empty_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
@@ -769,35 +752,34 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();
 #endif
-      long long slot[kKeys], next[kKeys], ahead[kKeys];
-      wg::tile_slots<kKeys>(prm, cx, half, ci, slot);
-      if constexpr (kSlotAhead == 2) wg::tile_slots<kKeys>(prm, cx, half + kTStep, ci, next);
+      long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
+      wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
+      if constexpr (kSlotAhead == 2) wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
       // racecheck does not take a barrier between roles for a hand-off, history 53 / 156: an mbarrier it does)
       if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
-      // (q_full completes once per item: waited once per item by every thread, at its first tile >= kQFirst, also
-      // when the item has no more than kQFirst tiles)
-      const int n_issue = kQFirst < kStages && nt < kQFirst + kTStep ? kQFirst + kTStep : nt;
-      for (int t = half; t < n_issue; t += kTStep) {
-        if (warp == swarp) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in
+      // (q_full completes once per item: waited once per item, also when the item has no more than kQFirst tiles)
+      const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
+      for (int t = 0; t < n_issue; ++t) {
+        if (warp == 16) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in
         if constexpr (kSlotAhead == 2)
-          wg::tile_slots<kKeys>(prm, cx, t + 2 * kTStep, ci, ahead);
+          wg::tile_slots<kProducerKeys>(prm, cx, t + 2, pt, ahead);
         else
-          wg::tile_slots<kKeys>(prm, cx, t + kTStep, ci, next);
-        if (kQFirst < kStages && (kHalves ? t >= kQFirst && t < kQFirst + 2 : t == kQFirst)) {
+          wg::tile_slots<kProducerKeys>(prm, cx, t + 1, pt, next);
+        if (kQFirst < kStages && t == kQFirst) {
           KDTREE_DSTART(pt == 0, 6);
           mbar_wait(&sm.q_full, q_parity);
           q_parity ^= 1u;
         }
         const int b = t % kStages;
         constexpr bool kHalf = kHalfReleaseOf<Pair, SRefill>;
-        if (warp == swarp) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
+        if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
         if (!kHalf && t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
         if (kHalf && t >= kStages) {   // empty_h's parities: bits b (warpgroup 0) and 4 + b (warpgroup 1)
           mbar_wait(&sm.empty_h[b][0], (empty_bits >> b) & 1u);
           empty_bits ^= 1u << b;
         }
-        if (warp == swarp) KDTREE_DTRACE(6);   // (TRACE, producer form: tile t's copies start)
+        if (warp == 16) KDTREE_DTRACE(6);   // (TRACE, producer form: tile t's copies start)
         if constexpr (kHalf) {
           if (t < nt) {
             const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
@@ -813,13 +795,13 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         } else if constexpr (kSplitFullOf<Pair, SRefill>)
           gather_tile_split<kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         else
-          gather_tile<Pair, kKeys>(sm, prm, cx, t, b, ci, slot);   // (nothing at t >= nt)
-        if (warp == swarp) KDTREE_DTRACE(12);   // (and issued)
+          gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
         // (TRACE: the start stamps that the value side takes without the producer)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);
-        if (t == kStages - 1) KDTREE_DSTART(ci == 0, 7);
+        if (t == kStages - 1) KDTREE_DSTART(pt == 0, 7);
 #pragma unroll
-        for (int h = 0; h < kKeys; ++h) {
+        for (int h = 0; h < kProducerKeys; ++h) {
           slot[h] = next[h];
           if constexpr (kSlotAhead == 2) next[h] = ahead[h];
         }
