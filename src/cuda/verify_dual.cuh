@@ -211,8 +211,10 @@ constexpr bool kHalfReleaseOf = kProducer<Pair, SRefill> && KDTREE_DUAL_HALF_REL
 #ifndef KDTREE_DUAL_LAZY_RESCALE
 #define KDTREE_DUAL_LAZY_RESCALE (KDTREE_DUAL_PRODUCER ? 8 : 0)
 #endif
+// Every producer form takes it: the default and, since session 28, the opt-in pair with the producer
+// (KDTREE_DUAL_PAIR_PRODUCER=1), so that an A/B of the two compares the same softmax.
 template <bool Pair, bool SRefill>
-constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0 && !Pair;
+constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0;
 static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) or tau > 0");
 
 // KDTREE_DUAL_SLOT_AHEAD = 2 (session 27; the default since session 28, PERF_LOG history 170-171): the producer loads
@@ -227,8 +229,9 @@ static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) 
 #ifndef KDTREE_DUAL_SLOT_AHEAD
 #define KDTREE_DUAL_SLOT_AHEAD 2
 #endif
-constexpr int kSlotAhead = KDTREE_DUAL_SLOT_AHEAD;
-static_assert(kSlotAhead == 1 || kSlotAhead == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
+static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
+// (the pair with the producer keeps one tile ahead: at its 32 producer registers two spill 140 B)
+template <bool Pair> constexpr int kSlotAheadOf = Pair ? 1 : KDTREE_DUAL_SLOT_AHEAD;
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
@@ -741,6 +744,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
     // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the next tile's slot ids a tile
     // ahead
+    constexpr int kSlotAhead = kSlotAheadOf<Pair>;
     wg::set_max_regs<kProducerRegsOf<Pair>, kRegs0>();
     const int pt = tid - 512;   // 0..127
     uint32_t empty_bits = 0u, q_parity = 0u;
