@@ -59,9 +59,8 @@ constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (
 // at 96 as well and leave nothing to give the value warpgroups), so the producer is a whole warpgroup, 2 keys per
 // thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (48; 32 before session 28), score
 // warpgroups KDTREE_DUAL_PRODUCER_SCORE_REGS (56; 64 before session 28: no k-steps of q in registers, KDTREE_DUAL_QREG
-// 0), value warpgroups
-// KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap again
-// (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with KDTREE_DUAL_PAIR_PRODUCER=1,
+// 0), value warpgroups KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap
+// again (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with KDTREE_DUAL_PAIR_PRODUCER=1,
 // SRefill never).
 // Measured (H200, session 25, PERF_LOG history 154-155; A/B within one run, means of two, against session 23's
 // default): the producer alone (S in turn, QREG 0) -0.5 to +2.9% (the value side's copies were not what set the
@@ -742,8 +741,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     // =========================== producer warpgroup (KDTREE_DUAL_PRODUCER) ===========================
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then
     // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
-    // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the next tile's slot ids a tile
-    // ahead
+    // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the slot ids of the tile
+    // kSlotAhead tiles ahead (2; the pair form 1)
     constexpr int kSlotAhead = kSlotAheadOf<Pair>;
     wg::set_max_regs<kProducerRegsOf<Pair>, kRegs0>();
     const int pt = tid - 512;   // 0..127
