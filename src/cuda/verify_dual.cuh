@@ -60,8 +60,8 @@ constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (
 // thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (48; 32 before session 28), score
 // warpgroups KDTREE_DUAL_PRODUCER_SCORE_REGS (56; 64 before session 28: no k-steps of q in registers, KDTREE_DUAL_QREG
 // 0), value warpgroups KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap
-// again (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with KDTREE_DUAL_PAIR_PRODUCER=1,
-// SRefill never).
+// again (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with
+// KDTREE_DUAL_PAIR_PRODUCER=1, SRefill never).
 // Measured (H200, session 25, PERF_LOG history 154-155; A/B within one run, means of two, against session 23's
 // default): the producer alone (S in turn, QREG 0) -0.5 to +2.9% (the value side's copies were not what set the
 // period; QREG 0 alone +0.6 to +2.9%); with S overlapped -1.6% at H16 N9 P131072 (122.4 against 124.3 us), -2.1% at
