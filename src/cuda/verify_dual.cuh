@@ -166,36 +166,13 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #define KDTREE_DUAL_P_WRITER_FENCE (!KDTREE_DUAL_PRODUCER)
 #endif
 
-// Two session-26 experiments on the producer form's refill, off by default (history 160, 163-164):
-// - KDTREE_DUAL_SPLIT_FULL = 1: the producer copies a tile's slabs 0 .. kSplitSlab - 1 first and announces them on
-//   full_a[b], then the rest on full[b]; S issues its first 4 kSplitSlab k-steps once full_a[b] has completed and waits
-//   for full[b] only before the rest (the value warpgroups wait for full[b], as before). Measured +17% at H16 N9
-//   P131072.
-// - KDTREE_DUAL_HALF_RELEASE = 1 (not Pair): value warpgroup v releases the slabs it reads (4 v .. 4 v + 3) on its own
-//   mbarrier empty_h[b][v], and the producer copies tile t + 4's slabs 0-3 and 8 (the rope, read by S only) once value
-//   warpgroup 0 is done with tile t, slabs 4-7 once warpgroup 1 is: the copies are issued at the SM's intake rate
-//   (~1,100 clocks a tile in the trace), so the half that can start earlier lands earlier. Measured +28% (one quick
-//   round).
-// Both builds spill in the 32-register producer (12 B each as measured; HALF_RELEASE 16 B since its copies go through
-// wg::copy_keys, the same copies in the same order); the session's spill-free variants all came within 3%. A spill
-// reload there may wait behind the producer's cp.async, so neither is ruled out until a spill-free build is timed:
-// with -DKDTREE_DUAL_PRODUCER_SCORE_REGS=56 -DKDTREE_DUAL_PRODUCER_REGS=48 (2 x 56 + 48 <= 160, what the value
-// warpgroups leave) the default and both builds have no spills (compiler only; not yet run).
+// Measured and removed in session 28 (history 160, 163-165; commit 2fffb7a holds both): the producer copying a tile's
+// slabs 0-4 first and S starting on them (KDTREE_DUAL_SPLIT_FULL: +3.4 to +5.5% without spills, +17% with), and each
+// value warpgroup releasing the slabs it reads on its own mbarrier so that half a tile's copies start a P V earlier
+// (KDTREE_DUAL_HALF_RELEASE: +11.7 to +17.0% without spills, +28% with).
 // Measured and removed in session 26 (history 160, 162): S issued as 4 commit groups (+0.4%, commit 88f0b90), an L2
 // bulk prefetch of tile t + D's key rows by the producer (+59 to +74%: a uniform UBLKPF in a loop over the lanes, and
 // spills; 88f0b90), an L2 prefetch of tile t + D's slot-id lines (+1.3 to +3.1%, 9634123).
-#ifndef KDTREE_DUAL_SPLIT_FULL
-#define KDTREE_DUAL_SPLIT_FULL 0
-#endif
-#ifndef KDTREE_DUAL_HALF_RELEASE
-#define KDTREE_DUAL_HALF_RELEASE 0
-#endif
-constexpr int kSplitSlab = 5;   // full_a: slabs 0-4 (S's k-steps 0-19)
-// which instantiations take them: the producer form's default (not Pair, not SRefill)
-template <bool Pair, bool SRefill>
-constexpr bool kSplitFullOf = kProducer<Pair, SRefill> && KDTREE_DUAL_SPLIT_FULL && !Pair;
-template <bool Pair, bool SRefill>
-constexpr bool kHalfReleaseOf = kProducer<Pair, SRefill> && KDTREE_DUAL_HALF_RELEASE && !Pair;
 
 // A lazy reference maximum (session 27, the producer form's default; PERF_LOG history 165-166), after FlashAttention-4's
 // conditional rescale: KDTREE_DUAL_LAZY_RESCALE = tau > 0 moves a row's reference maximum (the m that P subtracts,
@@ -257,8 +234,6 @@ struct Smem {
   unsigned long long q_land;          // q of the item landed by TMA (Params::q_tma): 1 arrival + its 72 KB
   int item[2];   // the block's k-th work item in item[k % 2]
   unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
-  unsigned long long full_a[kStages]; // KDTREE_DUAL_SPLIT_FULL: the tile's first kSplitSlab slabs landed (128 arrivals)
-  unsigned long long empty_h[kStages][2];   // KDTREE_DUAL_HALF_RELEASE: value warpgroup v done with buffer b (128)
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
@@ -322,20 +297,6 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const I
                                                i, slot);
 }
 
-// The producer's copies of tile t with KDTREE_DUAL_SPLIT_FULL: slabs 0 .. kSplitSlab - 1 of its keys, announced on
-// full_a[b] once landed, then the rest, on full[b] (which completes after full_a[b]: a thread's arrival follows all of
-// its earlier copies).
-template <int Keys>
-__device__ __forceinline__ void gather_tile_split(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
-                                                  const long long (&slot)[Keys]) {
-  if (t >= cx.ntiles) return;
-  const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
-  wg::copy_keys<Keys, kSlabBytes, 0, kSplitSlab>(buf, prm, cx, t, i, slot);
-  wg::arrive_when_landed(&sm.full_a[b]);
-  wg::copy_keys<Keys, kSlabBytes, kSplitSlab, kSlabs>(buf, prm, cx, t, i, slot);
-  wg::arrive_when_landed(&sm.full[b]);
-}
-
 // SRefill (KDTREE_SPLIT_KERNEL=srefill, session 16): the score warpgroups gather the keys, each into its own buffers
 // (score warpgroup s: tiles t = s mod 2, the first two with q), and refill the buffer of tile t - 2 with tile t + 2 once
 // both value warpgroups are done with it (empty[b]): before waiting for tile t, or (KDTREE_DUAL_SREFILL_AFTER_S=1)
@@ -384,11 +345,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     for (int b = 0; b < kStages; ++b) {
       mbar_init(&sm.full[b], SRefill || kProd ? 128 : kValueThreads);
       mbar_init(&sm.empty[b], kValueThreads);
-      if (kSplitFullOf<Pair, SRefill>) mbar_init(&sm.full_a[b], 128);
-      if (kHalfReleaseOf<Pair, SRefill>) {
-        mbar_init(&sm.empty_h[b][0], 128);
-        mbar_init(&sm.empty_h[b][1], 128);
-      }
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&sm.p_full[i], 128);
@@ -410,7 +366,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
     uint32_t empty_bits = 0u;   // SRefill
-    constexpr bool kSplitS = kSplitFullOf<Pair, SRefill>;
     const int st = tid & 127;   // SRefill: this thread copies chunk st % 8 of keys st / 8 and st / 8 + 16 of a tile
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
@@ -485,10 +440,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if constexpr (Pair) {   // buffers 2s (tile t) and 2s + 1 (tile t + 1, if the item has it)
           mbar_wait_buffer(sm.full, full_bits, 2 * s);
           if (t + 1 < nt) mbar_wait_buffer(sm.full, full_bits, 2 * s + 1);
-        } else if constexpr (kSplitS) {
-          // the tile's first kSplitSlab slabs landed (full_a's parities in full_bits' bits 4-7)
-          mbar_wait(&sm.full_a[t % kStages], (full_bits >> (4 + t % kStages)) & 1u);
-          full_bits ^= 1u << (4 + t % kStages);
         } else {
           mbar_wait_buffer(sm.full, full_bits, t % kStages);   // every value thread's copies landed
         }
@@ -508,12 +459,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           wg::wg_fence();
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
-            if (kSplitS && ks == 4 * kSplitSlab) {   // the rest of the tile
-              wg::wg_commit();
-              mbar_wait_buffer(sm.full, full_bits, t % kStages);
-              fence_proxy_async();
-              wg::wg_fence();
-            }
 #ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
             if (ks > 0) continue;
 #endif
@@ -713,7 +658,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if ((!Pair || (t & 1) == 1) && u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
         if constexpr (SRefill || kProd) {
           if (t + kStages < nt)   // its score warpgroup / the producer refills it: tile t + 4
-            mbar_arrive(kHalfReleaseOf<Pair, SRefill> ? &sm.empty_h[b][v] : &sm.empty[b]);
+            mbar_arrive(&sm.empty[b]);
         } else {
           bar_sync(kBarValues, kValueThreads);   // both value warpgroups are done with buffer b
         }
@@ -775,30 +720,10 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           q_parity ^= 1u;
         }
         const int b = t % kStages;
-        constexpr bool kHalf = kHalfReleaseOf<Pair, SRefill>;
         if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
-        if (!kHalf && t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
-        if (kHalf && t >= kStages) {   // empty_h's parities: bits b (warpgroup 0) and 4 + b (warpgroup 1)
-          mbar_wait(&sm.empty_h[b][0], (empty_bits >> b) & 1u);
-          empty_bits ^= 1u << b;
-        }
+        if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
         if (warp == 16) KDTREE_DTRACE(6);   // (TRACE, producer form: tile t's copies start)
-        if constexpr (kHalf) {
-          if (t < nt) {
-            const uint32_t buf = smem_u32(&sm.kv[0][0]) + Ring<false>::buffer(b);
-            wg::copy_keys<kProducerKeys, kSlabBytes, 0, 4>(buf, prm, cx, t, pt, slot);
-            wg::copy_keys<kProducerKeys, kSlabBytes, 8, 9>(buf, prm, cx, t, pt, slot);   // the rope (read by S only)
-            if (t >= kStages) {
-              mbar_wait(&sm.empty_h[b][1], (empty_bits >> (4 + b)) & 1u);
-              empty_bits ^= 1u << (4 + b);
-            }
-            wg::copy_keys<kProducerKeys, kSlabBytes, 4, 8>(buf, prm, cx, t, pt, slot);
-            wg::arrive_when_landed(&sm.full[b]);
-          }
-        } else if constexpr (kSplitFullOf<Pair, SRefill>)
-          gather_tile_split<kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
-        else
-          gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
         // (TRACE: the start stamps that the value side takes without the producer)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);

@@ -309,8 +309,7 @@ __device__ __forceinline__ void load_q_regs(uint32_t (&qa)[N][4], const unsigned
 // key buffer at shared address `kv`, in the 128-byte swizzled layout, [slab][key][128 B] (zero-fill past the split
 // end). Eight threads with cc = 0..7 on one key make a warp's copy a whole 128-byte line per key. SlabStride: the
 // bytes from one slab to the next (the dual kernel's pairs of 32-key buffers interleave their slabs: 8,192).
-// Slabs [Slab0, Slab1) only: the dual kernel's KDTREE_DUAL_SPLIT_FULL copies a tile in two parts.
-template <int TileN = kTileN, int SlabStride = TileN * 128, int Slab0 = 0, int Slab1 = kSlabs>
+template <int TileN = kTileN, int SlabStride = TileN * 128>
 __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, const ItemCtx& cx, int t, int kt, int cc,
                                                 long long slot) {
   const int key = cx.k0 + t * TileN + kt;
@@ -318,7 +317,7 @@ __device__ __forceinline__ void copy_key_chunks(uint32_t kv, const Params& prm, 
   const __nv_bfloat16* src = key_ptr(prm, cx, key, slot);
   const uint32_t dst = kv + kt * 128 + ((cc ^ (kt & 7)) << 4);
 #pragma unroll
-  for (int slab = Slab0; slab < Slab1; ++slab)
+  for (int slab = 0; slab < kSlabs; ++slab)
     cp_async_16z(dst + slab * SlabStride, src + slab * kSlabDims + cc * 8, valid ? 16 : 0);
 }
 // The tile announces itself: a thread follows its copies with this, which arrives on the tile's
@@ -340,20 +339,14 @@ __device__ __forceinline__ long long tile_key_slot(const Params& prm, const Item
 // arrives on the buffer's mbarrier `full` once they have landed. Past the last tile nothing is issued and nobody
 // arrives. Keys 1: 256 value threads (the wgmma and dual kernels); 2: 128 threads (the pingpong kernel's owner
 // warpgroup, the dual kernel's score warpgroups with SRefill).
-// copy_keys: the copies alone, of slabs [Slab0, Slab1) only (the dual kernel's experiments copy a tile in parts).
-template <int Keys, int SlabStride = kSlabBytes, int Slab0 = 0, int Slab1 = kSlabs>
-__device__ __forceinline__ void copy_keys(uint32_t buf, const Params& prm, const ItemCtx& cx, int t, int i,
-                                          const long long (&slot)[Keys]) {
-#pragma unroll
-  for (int h = 0; h < Keys; ++h)
-    copy_key_chunks<kTileN, SlabStride, Slab0, Slab1>(buf, prm, cx, t, i / kThreadsPerKey + (kTileN / Keys) * h,
-                                                      i % kThreadsPerKey, slot[h]);
-}
 template <int Keys, int SlabStride = kSlabBytes>
 __device__ __forceinline__ void copy_tile(uint32_t buf, unsigned long long* full, const Params& prm, const ItemCtx& cx,
                                           int t, int i, const long long (&slot)[Keys]) {
   if (t >= cx.ntiles) return;
-  copy_keys<Keys, SlabStride>(buf, prm, cx, t, i, slot);
+#pragma unroll
+  for (int h = 0; h < Keys; ++h)
+    copy_key_chunks<kTileN, SlabStride>(buf, prm, cx, t, i / kThreadsPerKey + (kTileN / Keys) * h, i % kThreadsPerKey,
+                                        slot[h]);
   arrive_when_landed(full);
 }
 // The slot ids of copier thread i's keys of tile t, as copy_tile takes them.
