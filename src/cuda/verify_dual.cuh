@@ -60,8 +60,7 @@ constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (
 // thread as with SRefill, and the registers go: producer KDTREE_DUAL_PRODUCER_REGS (48; 32 before session 28), score
 // warpgroups KDTREE_DUAL_PRODUCER_SCORE_REGS (56; 64 before session 28: no k-steps of q in registers, KDTREE_DUAL_QREG
 // 0), value warpgroups KDTREE_DUAL_PRODUCER_VALUE_REGS (160; 152 spills). With it the two score warpgroups' S overlap
-// again (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair as well with
-// KDTREE_DUAL_PAIR_PRODUCER=1, SRefill never).
+// again (KDTREE_DUAL_S_SERIAL 0). Only the default instantiation takes it (Pair and SRefill never).
 // Measured (H200, session 25, PERF_LOG history 154-155; A/B within one run, means of two, against session 23's
 // default): the producer alone (S in turn, QREG 0) -0.5 to +2.9% (the value side's copies were not what set the
 // period; QREG 0 alone +0.6 to +2.9%); with S overlapped -1.6% at H16 N9 P131072 (122.4 against 124.3 us), -2.1% at
@@ -79,22 +78,17 @@ constexpr int kThreads = 512;                  // 2 score + 2 value warpgroups (
 #define KDTREE_DUAL_PRODUCER_VALUE_REGS 160
 #endif
 static_assert(KDTREE_DUAL_PRODUCER == 0 || KDTREE_DUAL_PRODUCER == 1, "KDTREE_DUAL_PRODUCER: 0 or 1");
-// KDTREE_DUAL_PAIR_PRODUCER=1 (session 25, opt-in): the pair instantiation (KDTREE_SPLIT_KERNEL=pair) with the producer
-// as well: S over 64 keys with the ring refilled as soon as a buffer is free (PERF_LOG next step 0a). No spills (64
-// score registers hold the 32 scores). Measured once (H200, history 158): kernel tests pass; H16 N9 P131072 127.8 us in
-// its own call against the default's 122.2-122.6, ~4-5% slower; not yet A/B'd or sanitized.
-#ifndef KDTREE_DUAL_PAIR_PRODUCER
-#define KDTREE_DUAL_PAIR_PRODUCER 0
-#endif
+// Measured and removed (session 29, PERF_LOG history 175; commit 7ec5a9c holds it): KDTREE_DUAL_PAIR_PRODUCER, the pair
+// instantiation (S over 64 keys, half of S's q reads) with the producer, the lazy reference and slot ids one tile
+// ahead: +7.9 to +11.5% on every shape (H16 N9 P131072 126.1 against 115.2 us), sanitizer-clean. A pair's S waits for
+// two tiles of the four-buffer ring.
 template <bool Pair, bool SRefill>
-constexpr bool kProducer = KDTREE_DUAL_PRODUCER && !SRefill && (!Pair || KDTREE_DUAL_PAIR_PRODUCER);
+constexpr bool kProducer = KDTREE_DUAL_PRODUCER && !SRefill && !Pair;
 template <bool Pair, bool SRefill> constexpr int kThreadsOf = kProducer<Pair, SRefill> ? kThreads + 128 : kThreads;
 // the launch's registers a thread, one block per SM: 128 at 512 threads, 96 at 640
 template <bool Pair, bool SRefill> constexpr int kLaunchRegsOf = (65536 / kThreadsOf<Pair, SRefill>) / 8 * 8;
 constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)
-// (the pair instantiation with the producer holds 32 scores a thread: its score warpgroups keep session 25's 64
-// registers and its producer 32)
-template <bool Pair> constexpr int kProducerRegsOf = Pair ? 32 : KDTREE_DUAL_PRODUCER_REGS;
+constexpr int kProducerRegs = KDTREE_DUAL_PRODUCER_REGS;
 // setmaxnreg: 2 x 96 + 2 x 160 = 512 = 4 x 128 (the launch's): the score warpgroups hold 16 scores and 32 registers
 // of q per thread (KDTREE_DUAL_QREG); 2 x 88 + 2 x 168 without q in registers. With Pair they hold 32 scores per
 // thread, not 16, and with SRefill they gather the keys: 2 x 96 + 2 x 160.
@@ -111,7 +105,7 @@ constexpr int kQReg = KDTREE_DUAL_QREG;
 static_assert(kQReg >= 0 && kQReg <= 8, "KDTREE_DUAL_QREG: 0 .. 8 k-steps");
 template <bool Pair, bool SRefill>
 constexpr int kScoreRegs =
-    kProducer<Pair, SRefill> ? (Pair ? 64 : KDTREE_DUAL_PRODUCER_SCORE_REGS) : Pair || SRefill || kQReg > 0 ? 96 : 88;
+    kProducer<Pair, SRefill> ? KDTREE_DUAL_PRODUCER_SCORE_REGS : Pair || SRefill || kQReg > 0 ? 96 : 88;
 template <bool Pair, bool SRefill>
 constexpr int kValueRegs =
     kProducer<Pair, SRefill> ? KDTREE_DUAL_PRODUCER_VALUE_REGS : Pair || SRefill || kQReg > 0 ? 160 : 168;
@@ -121,7 +115,7 @@ template <bool Pair, bool SRefill>
 constexpr bool kRegPoolFits =
     2 * (kValueRegs<Pair, SRefill> - kLaunchRegsOf<Pair, SRefill>) <=
     2 * (kLaunchRegsOf<Pair, SRefill> - kScoreRegs<Pair, SRefill>) +
-        (kProducer<Pair, SRefill> ? kLaunchRegsOf<Pair, SRefill> - kProducerRegsOf<Pair> : 0);
+        (kProducer<Pair, SRefill> ? kLaunchRegsOf<Pair, SRefill> - kProducerRegs : 0);
 static_assert(kRegPoolFits<false, false> && kRegPoolFits<true, false> && kRegPoolFits<false, true>, "register pool");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
@@ -187,8 +181,7 @@ static_assert(KDTREE_DUAL_S_SERIAL == 0 || KDTREE_DUAL_S_SERIAL == 1, "KDTREE_DU
 #ifndef KDTREE_DUAL_LAZY_RESCALE
 #define KDTREE_DUAL_LAZY_RESCALE (KDTREE_DUAL_PRODUCER ? 8 : 0)
 #endif
-// Every producer form takes it: the default and, since session 28, the opt-in pair with the producer
-// (KDTREE_DUAL_PAIR_PRODUCER=1), so that an A/B of the two compares the same softmax.
+// The producer form (the default instantiation) takes it.
 template <bool Pair, bool SRefill>
 constexpr bool kLazyOf = kProducer<Pair, SRefill> && KDTREE_DUAL_LAZY_RESCALE > 0;
 static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) or tau > 0");
@@ -206,8 +199,6 @@ static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) 
 #define KDTREE_DUAL_SLOT_AHEAD 2
 #endif
 static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
-// (the pair with the producer keeps one tile ahead: at its 32 producer registers two spill 140 B)
-template <bool Pair> constexpr int kSlotAheadOf = Pair ? 1 : KDTREE_DUAL_SLOT_AHEAD;
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
@@ -508,7 +499,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         // key group j of the step: group j & 3 of tile t + (j >> 2), whose P is in that tile's buffer (Pair: buffer
         // 2 s + (j >> 2)) or p[s]
-        if constexpr (KDTREE_DUAL_P_STMATRIX && kProd && !Pair) {
+        if constexpr (KDTREE_DUAL_P_STMATRIX && kProd) {
           // matrix j of half h: rows wrow + 8 h .. + 7, key group j; lane l gives row l % 8 of matrix l / 8
           uint32_t pr[2][4];
           softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) { pr[half][j] = pair; });
@@ -531,7 +522,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         // P is read next by wgmma (the async proxy): fenced here, or (the producer form) by the value side after its
         // waits
-        if (KDTREE_DUAL_P_WRITER_FENCE || !kProd || Pair) fence_proxy_async();
+        if (KDTREE_DUAL_P_WRITER_FENCE || !kProd) fence_proxy_async();
         mbar_arrive(&sm.p_full[s]);
         bar_arrive(kBarPFull + s, 128 + kValueThreads);
         if ((warp & 3) == 0) KDTREE_DTRACE(3);
@@ -687,9 +678,9 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then
     // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
     // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the slot ids of the tile
-    // kSlotAhead tiles ahead (2; the pair form 1)
-    constexpr int kSlotAhead = kSlotAheadOf<Pair>;
-    wg::set_max_regs<kProducerRegsOf<Pair>, kRegs0>();
+    // kSlotAhead tiles ahead
+    constexpr int kSlotAhead = KDTREE_DUAL_SLOT_AHEAD;
+    wg::set_max_regs<kProducerRegs, kRegs0>();
     const int pt = tid - 512;   // 0..127
     uint32_t empty_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {

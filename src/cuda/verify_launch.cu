@@ -133,7 +133,9 @@ constexpr int kMma2Halves = 4;
 //   beside the dual kernel's items of the full tiles on the others (ReqPlan::rows_f). Measured (H200, session 15):
 //   H16 N9 P131072 / P185000 -3% with 40 skinny SMs, but slower at short prefixes (P8192 +4%) and at H16 N33 / N65
 //   and H8 N9, and B8 by -2 to +3% with the SM count: the skinny items read a key in ~38 ns, not the ~25 of nine
-//   skinny items reading it together (history 108-109), so it is not the default.
+//   skinny items reading it together (history 108-109), so it is not the default. Session 29 (history 176, against
+//   the session-28 dual kernel): K = 41 (the model) +6.5% at H16 N9 P131072, 46 +3.8%, 34 +15.7%, 52 +11.9%; slower on
+//   every shape at every K.
 constexpr int kSkinnyRem = 5;   // the skinny kernel of a mixed call (split_launch only)
 
 // A split kernel with its block size and dynamic shared memory (what both the one-time configuration and every
