@@ -199,6 +199,15 @@ static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) 
 #define KDTREE_DUAL_SLOT_AHEAD 2
 #endif
 static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTREE_DUAL_SLOT_AHEAD: 1 or 2");
+// KDTREE_DUAL_ALPHA_EARLY = 1 (session 29, the default; 0: after both, as before): the value warpgroups load the
+// step's alpha right after they acquire p_full, before their wait for the tile's buffer and the proxy fence, so that
+// the load's latency is not on the path from P to P V's issue (ncu, history 177: the alpha test after its LDS held
+// 4.3% of the split kernel's stall samples, LDS 5.5%). Measured (H200, A/B within one run, means of two, history 178):
+// H16 N9 P131072 -0.9% (115.2 against 116.3 us), contiguous -0.8%, H128 N9 -0.6%, B8 -1.1%, P185000 -0.1%, P8192
+// +0.5% (0.1 us); sanitizer-clean.
+#ifndef KDTREE_DUAL_ALPHA_EARLY
+#define KDTREE_DUAL_ALPHA_EARLY 1
+#endif
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
@@ -608,10 +617,15 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         const int s = u & 1;
         const bool first = !Pair || (t & 1) == 0;   // the step's first tile: its P / alpha to wait for, O to rescale
         if (warp == 8) KDTREE_DTRACE(4);
+        float a0 = 1.f, a1 = 1.f;   // (KDTREE_DUAL_ALPHA_EARLY) the step's alpha, loaded after the acquire
         if (first) {
           bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of the step: wake up ...
           mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
           pf_bits ^= 1u << s;
+          if constexpr (KDTREE_DUAL_ALPHA_EARLY) {
+            a0 = sm.alpha[s][wrow + g];
+            a1 = sm.alpha[s][wrow + g + 8];
+          }
         }
         mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
         if (warp == 8) KDTREE_DTRACE(5);
@@ -619,7 +633,10 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         // writer fences nothing (KDTREE_DUAL_P_WRITER_FENCE): it follows the acquire of p_full, so it must stay after
         // both waits
         fence_proxy_async();
-        if (first) wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
+        if (first) {
+          if constexpr (KDTREE_DUAL_ALPHA_EARLY) wg::rescale_o(o, a0, a1);
+          else wg::rescale_o(o, sm.alpha[s][wrow + g], sm.alpha[s][wrow + g + 8]);
+        }
         {
           const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
           constexpr int kStride = Ring<Pair>::kSlabStride;
