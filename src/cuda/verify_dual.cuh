@@ -208,6 +208,12 @@ static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTRE
 #ifndef KDTREE_DUAL_ALPHA_EARLY
 #define KDTREE_DUAL_ALPHA_EARLY 1
 #endif
+// Measured and removed in session 30 (PERF_LOG history 180; commit ed8d503 holds it): KDTREE_MIXED=dual, a mixed
+// call's 16-row remainder tile (H16 N9: 64 + 64 + 16) as items of this kernel itself, beside the full tiles' items in
+// one work list: S^T = K q^T and O^T += V^T P^T over pairs of ring buffers (64 keys as the wgmma M, the skinny kernel's
+// math), the ring in the pair layout. Correct (70 kernel tests) but slower at every remainder item count: a remainder
+// item took ~32-35 ns per key, a full one ~33 (with both products knocked out ~25 and ~24), so it costs ~0.9-1.0 of a
+// full item however little tensor work it has: H16 N9 P131072 +7.8% at 40 remainder items, +22% at 32, +51% at 26.
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
@@ -317,338 +323,10 @@ constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 #endif
 static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
-// ---------------------------------------------------------------------------------------------------------------
-// Remainder items inside the dual kernel (Rem: KDTREE_MIXED=dual, session 30, opt-in). A mixed call's plan
-// (ReqPlan::rows_f, nsplit_s, cells_s) cuts a request whose last 64-row tile has <= 16 rows (H16 N9: 64 + 64 + 16) into
-// the full tiles' items and that last tile's remainder items, numbered after them in one work list; both kinds run in
-// this kernel, the remainder ones with the keys as the wgmma M, as the skinny kernel's (verify_skinny.cuh), but through
-// this kernel's producer and ring. Why: a 16-row item of the default pays a 64-row item's S, P V and chain per key
-// (a third of H16 N9's SM time); the skinny kernel of KDTREE_MIXED=1 did the same work on SMs of its own and read its
-// keys at ~38 ns each from DRAM (1% L2 hits, history 108-109, 176), slower than the dual item's ~33.
-// - The ring interleaves pairs of buffers (Ring<true>'s layout, the Pair form's): buffers 2p and 2p + 1 are one
-//   64-key tile of [slab][64 keys][128 B], the skinny kernel's layout, for every item of the instantiation.
-// - A remainder item's step u is its cell u of 64 keys (rem_tile: cells of the full items' splits, interleaved so
-//   that it reads each key at about the time the full items do), tiles 2u, 2u + 1 of the producer's order, so buffers
-//   2 (u % 2) and + 1: score warpgroup s = u % 2 owns them, as it owns its tiles' buffers in a full item.
-// - Score warpgroup s: S^T = K q^T (36 wgmma m64n16k16, A the pair's 64 keys, B q's 16 rows, [slab][16 rows][128 B]),
-//   the column maxima over its 4 warps (shared memory, named barrier kBarRem + s), the running maxima chained with
-//   the other score warpgroup on m_full as in a full item (16 columns), the lazy reference, P^T (bf16, [16 rows][64
-//   keys], 128-byte swizzle) into the first 2 KB of p[s], alpha into alpha[s]; its column sums at the end merged on
-//   l_full as the full item's row sums are.
-// - Value warpgroup v: O^T (dims [256 v, 256 v + 256) x 16 rows, 32 fp32 a thread) += V^T P^T, 4 value blocks x 4
-//   k-steps of wgmma m64n16k16 per cell, A the pair's slabs read MN-major; at the end O^T / l staged as bf16 rows in
-//   the ring and stored.
-// - The producer copies a cell as two 32-key tiles (keys past the cell's end zero-filled, never read).
-// Each score warpgroup waits on full[] of only its own buffers, and which buffers are its own differs between the
-// kinds, so at the end of every item it advances the phases of the other two by their tile counts (skip_phases).
-// The Rem instantiation's registers: score warpgroups KDTREE_DUAL_REM_SCORE_REGS (64), producer
-// KDTREE_DUAL_REM_PRODUCER_REGS (32), value warpgroups as the default's (160). At the default's 56 / 48 its score side
-// spills 20 B (compiler); 32 producer registers cost the default ~0.5% (session 28, history 171).
-#ifndef KDTREE_DUAL_REM_SCORE_REGS
-#define KDTREE_DUAL_REM_SCORE_REGS 64
-#endif
-#ifndef KDTREE_DUAL_REM_PRODUCER_REGS
-#define KDTREE_DUAL_REM_PRODUCER_REGS 32
-#endif
-constexpr int kRemScoreRegs = KDTREE_DUAL_REM_SCORE_REGS;
-constexpr int kRemProducerRegs = KDTREE_DUAL_REM_PRODUCER_REGS;
-static_assert(2 * (kValueRegs<false, false> - kLaunchRegsOf<false, false>) <=
-                  2 * (kLaunchRegsOf<false, false> - kRemScoreRegs) + kLaunchRegsOf<false, false> - kRemProducerRegs,
-              "register pool (Rem)");
-constexpr int kRemRows = kMixedRemRows;           // 16: the remainder item's rows, the wgmma N of both products
-constexpr int kRemQSlabBytes = kRemRows * 128;    // q of a remainder item: [slab][16 rows][128 B]
-constexpr int kRemPairSlab = 2 * kSlabBytes;      // a pair's slab: 64 keys x 128 B
-constexpr int kRemRedBytes = 2048;                // p[s]: P^T in [0, 2048), column maxima [2][4][16] and sums [4][16] after
-constexpr int kBarRem = 6;                        // + s: score warpgroup s alone (its column maxima / sums meet)
-static_assert(kMixedTileN == 2 * kTileN, "a remainder cell is a pair of ring buffers");
-static_assert(kRemRedBytes + (2 * 64 + 64) * 4 <= kPBytes, "P^T and the column exchanges fit in p[s]");
-static_assert(kBarRem + 1 < 16, "16 hardware named barriers");
-
-// The full[] phases of ring buffer b that a score warpgroup did not wait on in an item of nt tiles (tile t in buffer
-// t % kStages): their tile count's parity.
-__device__ __forceinline__ void skip_phases(uint32_t& bits, int nt, int b) {
-  if (b < nt && (((nt - 1 - b) / kStages + 1) & 1)) bits ^= 1u << b;
-}
-
-// Score warpgroup s's part of remainder item cx (cells u = s, s + 2, ...; q of its 16 rows already in sm.q).
-// Registers are short here (the full items' 56), so little is held across the cells: the lane's indices are read again
-// in every cell (the shared-memory addresses derived from them, and from s, would otherwise be hoisted out of the
-// block's item loop and held live through the full items too), the warpgroup's own sums' reference is read back from
-// sm.m[s] (its running maxima of the cell before, stored at every cell), and the columns' verify tokens are found only
-// in the cells that need a mask. Per thread across the cells: its 4 columns' partial sums.
-template <int Tau>
-__device__ __forceinline__ void rem_score_item(Smem& sm, const Params& prm, const ItemCtx& cx, int H, int k,
-                                               uint32_t& full_bits, uint32_t& mf_parity, uint32_t& pe_parity) {
-  using km::col_of;
-  using km::col_q;
-  const int nu = cx.ntiles;
-  const int s0 = (thread_index_now() >> 7) & 1;   // score warpgroup s: threads [128 s, 128 s + 128)
-  float l_own[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int u = s0; u < nu; u += 2) {
-    const int tid = thread_index_now();
-    const int s = (tid >> 7) & 1, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const bool pub = w == 0 && g == 0;   // the 4 threads that publish the warpgroup's 16 columns
-    float* const red = reinterpret_cast<float*>(&sm.p[s][kRemRedBytes]);   // [2][4 warps][16 columns]
-    int kb, ke;
-    rem_tile(cx, u, kb, ke);
-    mbar_wait_buffer(sm.full, full_bits, 2 * s);
-    mbar_wait_buffer(sm.full, full_bits, 2 * s + 1);
-    fence_proxy_async();   // cp.async wrote the tiles (generic proxy); wgmma reads them (async proxy)
-    float st[8];
-    km::scores_t<kRemRows, kRemPairSlab, kRemQSlabBytes>(st, smem_u32(&sm.kv[0][0]) + Ring<true>::buffer(2 * s),
-                                                         SmemDesc(smem_u32(&sm.q[0]), 16, 1024));
-    // scale to log2 units, mask (a cell of prefix keys needs none), column maxima
-    float cm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    if (kb + kMixedTileN <= ke && kb + kMixedTileN <= cx.rp.p) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        st[i] *= prm.scale_log2;
-        cm[col_q(i)] = fmaxf(cm[col_q(i)], st[i]);
-      }
-    } else {
-      ItemCtx tcx = cx;
-      tcx.k1 = ke;
-      const int key0 = kb + w * 16 + g;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int q = col_q(i);
-        const bool vis = key_visible_n(prm, tcx, key0 + 8 * km::row_half(i), row_token(cx, col_of(c, q), H));
-        st[i] = vis ? st[i] * prm.scale_log2 : -INFINITY;
-        cm[q] = fmaxf(cm[q], st[i]);
-      }
-    }
-    km::reduce_over_key_rows(cm, km::fmax_op);
-    float* const rs = red + ((u >> 1) & 1) * 64;   // (two slots: a thread writes the next one while others read this)
-    if (g == 0) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) rs[w * 16 + col_of(c, q)] = cm[q];
-    }
-    // the step before's running maxima, from the other score warpgroup; then this warpgroup's own of its cell before
-    // (its sums' reference), stored by its publishing threads before they arrived on m_full[s] for that cell, which
-    // the other warpgroup waited for before it arrived on m_full[1 - s]: read after this wait, and before the barrier
-    // after which the publishing threads store this cell's
-    float m_run[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    if (u > 0) {
-      mbar_wait(&sm.m_full[1 - s], mf_parity);
-      mf_parity ^= 1u;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) m_run[q] = sm.m[1 - s][col_of(c, q)];
-    }
-    float mu[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float mp = u >= 2 ? sm.m[s][col_of(c, q)] : -INFINITY;
-      mu[q] = u >= 2 && mp == -INFINITY ? 0.f : mp;
-    }
-    bar_sync(kBarRem + s, 128);
-    float m_use[4], alpha[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int col = col_of(c, q);
-      const float tmax = fmaxf(fmaxf(rs[col], rs[16 + col]), fmaxf(rs[32 + col], rs[48 + col]));
-      const bool keep = tmax <= m_run[q] + float(Tau);   // (-inf <= -inf: nothing visible yet keeps -inf)
-      const float m_new = keep ? m_run[q] : tmax;
-      m_use[q] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[q] = keep ? 1.f : fast_exp2(m_run[q] - m_use[q]);
-      m_run[q] = m_new;
-    }
-    // stored at every cell (the other warpgroup's next cell reads it, and this one's next cell and end as mu; the
-    // order against the other's read of the cell before is m_full's, as for the full items)
-    if (pub) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) sm.m[s][col_of(c, q)] = m_run[q];
-    }
-    if (u + 1 < nu) mbar_arrive(&sm.m_full[s]);
-    if (u >= 2) {   // the value warpgroups are done with this warpgroup's previous P^T and alpha
-      mbar_wait(&sm.p_empty[s], pe_parity);
-      pe_parity ^= 1u;
-    }
-    float ps[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int q = col_q(i);
-      const float pv = fast_exp2(st[i] - m_use[q]);
-      ps[q] += pv;
-      *reinterpret_cast<__nv_bfloat16*>(&sm.p[s][km::pt_offset(col_of(c, q), w * 16 + g + 8 * km::row_half(i))]) =
-          __float2bfloat16(pv);
-    }
-#pragma unroll
-    for (int q = 0; q < 4; ++q) l_own[q] = (u >= 2 ? l_own[q] * fast_exp2(mu[q] - m_use[q]) : 0.f) + ps[q];
-    if (pub) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) sm.alpha[s][col_of(c, q)] = alpha[q];
-    }
-    // (P^T is fenced by the value side after its waits, as the full item's P: KDTREE_DUAL_P_WRITER_FENCE)
-    mbar_arrive(&sm.p_full[s]);
-    bar_arrive(kBarPFull + s, 128 + kValueThreads);
-  }
-  // end of the item: the warpgroup's column sums, relative to its last cell's reference (mu, from sm.m[s]), then score
-  // warpgroup 1's merged into 0's
-  const int tid = thread_index_now();
-  const int s = (tid >> 7) & 1, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const bool pub = w == 0 && g == 0;
-  km::reduce_over_key_rows(l_own, km::add_op);
-  float* const lr = reinterpret_cast<float*>(&sm.p[s][kRemRedBytes]) + 128;   // [4 warps][16 columns]
-  if (g == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) lr[w * 16 + col_of(c, q)] = l_own[q];
-  }
-  bar_sync(kBarRem + s, 128);   // (also orders the last cell's sm.m[s] stores before the reads below)
-  float lw[4], mu[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int col = col_of(c, q);
-    lw[q] = (lr[col] + lr[16 + col]) + (lr[32 + col] + lr[48 + col]);
-    const float ml = s < nu ? sm.m[s][col] : -INFINITY;   // (none: warpgroup 1 of a one-cell item)
-    mu[q] = s < nu && ml == -INFINITY ? 0.f : ml;
-  }
-  if (s == 1) {
-    if (pub) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        sm.xl[col_of(c, q)] = lw[q];
-        sm.xmu[col_of(c, q)] = mu[q];
-      }
-    }
-    mbar_arrive(&sm.l_full);
-  } else {
-    mbar_wait(&sm.l_full, k & 1);
-    float m_fin[4], l_fin[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int col = col_of(c, q);
-      const float xm = sm.xmu[col], xs = sm.xl[col];
-      m_fin[q] = fmaxf(mu[q], xm);   // (mu is finite: warpgroup 0 owns cell 0)
-      l_fin[q] = lw[q] * fast_exp2(mu[q] - m_fin[q]) + xs * fast_exp2(xm - m_fin[q]);
-      if (pub) sm.row_l[col] = l_fin[q];
-    }
-    bar_arrive(kBarBlock, 128 + kValueThreads);   // row_l stored
-    if (pub && row_nsplit(cx.rp, cx.row0) > 1) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        if (col_of(c, q) < cx.rows) write_partial_lse(prm, cx, H, col_of(c, q), m_fin[q], l_fin[q]);
-    }
-  }
-}
-
-// Value warpgroup v's part of remainder item cx: O^T over every cell, then its rows (O^T / l, bf16) out through the
-// ring's first 16 KB.
-__device__ __forceinline__ void rem_value_item(Smem& sm, const Params& prm, const ItemCtx& cx, uint32_t& full_bits,
-                                               uint32_t& pf_bits) {
-  const int vt = thread_index_now() - 256, v = vt >> 7;   // (read again: see rem_score_item)
-  const int warp = thread_index_now() >> 5, lane = thread_index_now() & 31;
-  using km::col_of;
-  using km::col_q;
-  const int w = warp & 3, g = lane >> 2, c = lane & 3;
-  const int nu = cx.ntiles, nt = 2 * nu;
-  float o[4][8];
-#pragma unroll
-  for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[mb][i] = 0.f;
-  for (int u = 0; u < nu; ++u) {
-    const int s = u & 1;
-    bar_sync(kBarPFull + s, 128 + kValueThreads);   // P^T / alpha of the cell: wake up ...
-    mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire
-    pf_bits ^= 1u << s;
-    float a[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) a[q] = sm.alpha[s][col_of(c, q)];
-    mbar_wait_buffer(sm.full, full_bits, 2 * s);
-    mbar_wait_buffer(sm.full, full_bits, 2 * s + 1);
-    fence_proxy_async();   // V (cp.async) and P^T (generic stores) are read by wgmma (the async proxy)
-    if (!__all_sync(0xffffffffu, a[0] == 1.f && a[1] == 1.f && a[2] == 1.f && a[3] == 1.f)) {
-#pragma unroll
-      for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[mb][i] *= a[col_q(i)];
-    }
-    km::values_t<kRemRows, 4, kRemPairSlab, kMixedTileN / 16>(
-        o, smem_u32(&sm.kv[0][0]) + Ring<true>::buffer(2 * s) + 4 * v * kRemPairSlab,
-        SmemDesc(smem_u32(&sm.p[s][0]), 16, 1024));
-    if (u + 2 < nu) mbar_arrive(&sm.p_empty[s]);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (2 * u + h + kStages < nt) mbar_arrive(&sm.empty[2 * s + h]);   // the producer refills it: tile + 4
-  }
-  bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0
-  // O^T / l as bf16 rows into the ring's first 16 KB (stage_chunk's layout: every tile's products are done and no
-  // copy is in flight), then whole rows out, 16 B a lane
-  unsigned char* const stage = &sm.kv[0][0];
-  float inv[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float l = sm.row_l[col_of(c, q)];
-    inv[q] = l > 0.f ? 1.f / l : 0.f;
-  }
-#pragma unroll
-  for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int dim = (4 * v + mb) * wg::kSlabDims + w * 16 + g + 8 * km::row_half(i);
-      const int col = col_of(c, col_q(i));
-      *reinterpret_cast<__nv_bfloat16*>(stage + stage_chunk(0, col, dim >> 3) + (dim & 7) * 2) =
-          __float2bfloat16(o[mb][i] * inv[col_q(i)]);
-    }
-  bar_sync(kBarValues, kValueThreads);
-  const uint32_t stage_u = smem_u32(stage);
-  for (int idx = vt; idx < cx.rows * (kDimNope / 8); idx += kValueThreads) {
-    const int r = idx / (kDimNope / 8), ch = idx - r * (kDimNope / 8);
-    *reinterpret_cast<uint4*>(result_row(prm, cx, r) + ch * 8) = ld_shared_v4(stage_chunk(stage_u, r, ch));
-  }
-}
-
-// The producer's part of remainder item cx: cell u as tiles 2u, 2u + 1 (32 keys each, keys past the cell's end
-// zero-filled) into buffer t % kStages of the pair layout, the slot ids a tile ahead.
-__device__ __forceinline__ void rem_producer_item(Smem& sm, const Params& prm, const ItemCtx& cx, uint32_t& empty_bits,
-                                                  uint32_t& q_parity) {
-  const int pt = thread_index_now() - 512;   // (read again: see rem_score_item)
-  const int nt = 2 * cx.ntiles;
-  auto tile_ctx = [&](int t, ItemCtx& tc) {
-    tc = cx;
-    int kb, ke;
-    rem_tile(cx, t >> 1, kb, ke);
-    tc.k0 = kb + (t & 1) * kTileN;
-    tc.k1 = ke;
-    tc.ntiles = 1;
-  };
-  ItemCtx tc;
-  tile_ctx(0, tc);
-  long long slot[kProducerKeys];
-  wg::tile_slots<kProducerKeys>(prm, tc, 0, pt, slot);
-  for (int t = 0; t < nt; ++t) {
-    ItemCtx tn = tc;
-    long long next[kProducerKeys] = {0, 0};
-    if (t + 1 < nt) {
-      tile_ctx(t + 1, tn);
-      wg::tile_slots<kProducerKeys>(prm, tn, 0, pt, next);
-    }
-    if (t == kQFirst) {   // the rest of the ring once q has landed
-      mbar_wait(&sm.q_full, q_parity);
-      q_parity ^= 1u;
-    }
-    const int b = t % kStages;
-    if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
-    gather_tile<true, kProducerKeys>(sm, prm, tc, 0, b, pt, slot);
-#pragma unroll
-    for (int h = 0; h < kProducerKeys; ++h) slot[h] = next[h];
-    tc = tn;
-  }
-  if (nt <= kQFirst) {   // (q_full completes once per item)
-    mbar_wait(&sm.q_full, q_parity);
-    q_parity ^= 1u;
-  }
-}
-
-// Rem (KDTREE_MIXED=dual, above): the instantiation that also runs a mixed call's remainder items; its ring takes the
-// pair layout for every item (Lay). Without it the default's code is unchanged.
-template <bool Pair, bool SRefill, bool Rem = false>
+template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
   static_assert(!SRefill || !Pair, "SRefill: one tile per score step");
-  static_assert(!Rem || kProducer<Pair, SRefill>, "remainder items: the producer form only");
-  using Lay = Ring<Pair || Rem>;   // the ring's layout (Ring<Pair> its steps)
-  constexpr bool kIl = Pair || Rem;
   [[maybe_unused]] constexpr bool kProd = kProducer<Pair, SRefill>;   // (unused where the body is not built: sm_120)
   [[maybe_unused]] constexpr int kRegs0 = kLaunchRegsOf<Pair, SRefill>;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -666,8 +344,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
   // (verify_skinny.cuh, Rem)
   grid_dependency_launch_dependents();
   KDTREE_TIMELINE(2, 1);
-  // the full tiles' items, then (Rem) the remainder's (total_f read again where needed: registers are tight)
-  const int total = Rem ? prm.counter[1] + prm.counter[3] : prm.counter[1];
+  const int total = prm.counter[1];
   const int H = prm.heads;
 
   if (tid == 0) {
@@ -691,7 +368,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
 
   if (warp < 8) {
     // =========================== score warpgroups ===========================
-    wg::set_max_regs<Rem ? kRemScoreRegs : kScoreRegs<Pair, SRefill>, kRegs0>();
+    wg::set_max_regs<kScoreRegs<Pair, SRefill>, kRegs0>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
     uint32_t empty_bits = 0u;   // SRefill
@@ -701,25 +378,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       // (the item index goes out on an mbarrier: as for the pingpong kernel's row sums, history 53)
       const int item = wg::fetch_item(prm, k, tid, sm.item, &sm.item_full);
       if (item >= total) return;
-      const bool ri = Rem && item >= prm.counter[1];   // a remainder item
-      const ItemCtx cx = ri ? item_ctx_rem(prm, item - prm.counter[1]) : item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
-      if constexpr (Rem) {
-        if (ri) {   // q of its 16 rows ([slab][16 rows][128 B]) by the 256 score threads, then its cells
-          // (and q_land's phase of the item completes without copies, so that its phase stays the item's)
-          if (tid == 0) mbar_arrive(&sm.q_land);
-          wg::issue_q_copies<kRemRows>(prm, cx, H, sm.q, thread_index_now(), 256);
-          cp_async_wait_all();
-          fence_proxy_async();
-          mbar_arrive(&sm.q_full);
-          bar_sync(kBarScore, 256);
-          rem_score_item<KDTREE_DUAL_LAZY_RESCALE>(sm, prm, cx, H, k, full_bits, mf_parity, pe_parity);
-          skip_phases(full_bits, 2 * nt, 2 * (1 - s));
-          skip_phases(full_bits, 2 * nt, 2 * (1 - s) + 1);
-          sync_block_roles();
-          continue;
-        }
-      }
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();   // just after the item fetch, as the value side's
 #endif
@@ -740,17 +400,16 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       }
       KDTREE_DSTART(tid == 0, 1);
       if (q_tma) {
-        // (rows past the tensor's last are zeros; rows of the next request are padding rows here, computed and
-        // dropped like zero rows)
-        mbar_wait(&sm.q_land, k & 1);
+        mbar_wait(&sm.q_land, k & 1);   // (rows past the tensor's last are zeros; rows of the next request are
+                                        // padding rows here, computed and dropped like zero rows)
       } else if constexpr (SRefill) {   // then this warpgroup's first two tiles, s and s + 2
         cp_async_commit();
         long long s0[2], s1[2];
         wg::tile_slots<2>(prm, cx, s, st, s0);
         wg::tile_slots<2>(prm, cx, s + 2, st, s1);
         wg::tile_slots<2>(prm, cx, s + 4, st, refill_slots);
-        gather_tile<kIl, 2>(sm, prm, cx, s, s, st, s0);
-        gather_tile<kIl, 2>(sm, prm, cx, s + 2, s + 2, st, s1);
+        gather_tile<Pair, 2>(sm, prm, cx, s, s, st, s0);
+        gather_tile<Pair, 2>(sm, prm, cx, s + 2, s + 2, st, s1);
         cp_async_commit();
         cp_async_wait_group<1>();   // this thread's q copies
       } else {
@@ -778,7 +437,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         auto refill_own = [&]() {
           if (t >= s + 2 && t + 2 < nt) {
             mbar_wait_buffer(sm.empty, empty_bits, (t + 2) % kStages);
-            gather_tile<kIl, 2>(sm, prm, cx, t + 2, (t + 2) % kStages, st, refill_slots);
+            gather_tile<Pair, 2>(sm, prm, cx, t + 2, (t + 2) % kStages, st, refill_slots);
             wg::tile_slots<2>(prm, cx, t + 4, st, refill_slots);   // the next refill's, loaded a step ahead
           }
         };
@@ -801,7 +460,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           }
         }
         {
-          const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Lay::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
+          const SmemDesc kd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(Pair ? 2 * s : t % kStages), 16, 1024);
           if ((warp & 3) == 0) KDTREE_DTRACE(8);   // S issued (past the waits for the tile and the other's maxima)
           wg::wg_fence();
 #pragma unroll
@@ -810,7 +469,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
             if (ks > 0) continue;
 #endif
             const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
-            const uint64_t db = kd.at((ks >> 2) * Lay::kSlabStride + (ks & 3) * 32);
+            const uint64_t db = kd.at((ks >> 2) * Ring<Pair>::kSlabStride + (ks & 3) * 32);
             if constexpr (Pair)
               wg::wgmma_m64n64k16_ss(sc, da, db, ks > 0);
             else if (kQRegs && ks >= kKSteps - kQReg)
@@ -897,10 +556,6 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         bar_arrive(kBarBlock, 128 + kValueThreads);   // row_l stored (the value side waits, this side need not)
         write_partial_lse_rows(prm, cx, H, wrow + g, c, m_fin, l_fin);
       }
-      if constexpr (Rem) {   // the other score warpgroup's buffers' phases of the item (see skip_phases)
-        skip_phases(full_bits, nt, 1 - s);
-        skip_phases(full_bits, nt, 3 - s);
-      }
       sync_block_roles();   // the item's shared memory is consumed before the next item starts
 #ifdef KDTREE_EXP_TRACE
       if (tid == 0 && blockIdx.x == 0 && k < wg::trace::kItems) {   // (printed after the call: wg::trace)
@@ -922,17 +577,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
         return;
       }
-      const bool ri = Rem && item >= prm.counter[1];   // a remainder item
-      const ItemCtx cx = ri ? item_ctx_rem(prm, item - prm.counter[1]) : item_ctx<kBlockM, kTileN>(prm, item);
-      if constexpr (Rem) {
-        if (ri) {   // (the same end as a full item's, below)
-          rem_value_item(sm, prm, cx, full_bits, pf_bits);
-          mbar_arrive(&sm.ring_free);
-          sync_block_roles();
-          if (vt == 255) signal_item_done(prm, cx);
-          continue;
-        }
-      }
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();
 #endif
@@ -951,7 +596,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
             mbar_wait(&sm.q_full, q_parity);
             q_parity ^= 1u;
           }
-          gather_tile<kIl, 1>(sm, prm, cx, t, t, vt, slots[t]);
+          gather_tile<Pair, 1>(sm, prm, cx, t, t, vt, slots[t]);
           if (t == 0) KDTREE_DSTART(vt == 0, 5);
         }
         KDTREE_DSTART(vt == 0, 7);
@@ -966,7 +611,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       auto refill = [&](int t) {
         long long next[1];
         wg::tile_slots<1>(prm, cx, t + kStages, vt, next);
-        gather_tile<kIl, 1>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
+        gather_tile<Pair, 1>(sm, prm, cx, t - 1 + kStages, (t - 1) % kStages, vt, slot);
         slot[0] = next[0];
       };
 
@@ -1000,8 +645,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         }
         {
           const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
-          constexpr int kStride = Lay::kSlabStride;
-          const SmemDesc vd(smem_u32(&sm.kv[0][0]) + Lay::buffer(b) + (4 * v) * kStride, kStride, 1024);
+          constexpr int kStride = Ring<Pair>::kSlabStride;
+          const SmemDesc vd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b) + (4 * v) * kStride, kStride, 1024);
           wg::wg_fence();
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
@@ -1058,23 +703,14 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the slot ids of the tile
     // kSlotAhead tiles ahead
     constexpr int kSlotAhead = KDTREE_DUAL_SLOT_AHEAD;
-    wg::set_max_regs<Rem ? kRemProducerRegs : kProducerRegs, kRegs0>();
+    wg::set_max_regs<kProducerRegs, kRegs0>();
     const int pt = tid - 512;   // 0..127
     uint32_t empty_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) return;
-      const bool ri = Rem && item >= prm.counter[1];   // a remainder item
-      const ItemCtx cx = ri ? item_ctx_rem(prm, item - prm.counter[1]) : item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
-      if constexpr (Rem) {
-        if (ri) {
-          if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);   // (as a full item's, below)
-          rem_producer_item(sm, prm, cx, empty_bits, q_parity);
-          sync_block_roles();
-          continue;
-        }
-      }
 #ifdef KDTREE_EXP_TRACE
       const long long t_item = clock64();
 #endif
@@ -1101,7 +737,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
         if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
         if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
         if (warp == 16) KDTREE_DTRACE(6);   // (TRACE, producer form: tile t's copies start)
-        gather_tile<kIl, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
+        gather_tile<Pair, kProducerKeys>(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
         // (TRACE: the start stamps that the value side takes without the producer)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);

@@ -752,7 +752,10 @@ __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& 
   return key < c.k1 && key < c.rp.p ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key) : -1;
 }
 __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
-#ifdef KDTREE_EXP_NO_GATHER   // profiling aid: every key copies the (L2-resident) zero row
+// profiling aid: every key copies the (L2-resident) zero row. Not a measure of delivery without DRAM at full scale:
+// 132 SMs reading one 1,152-byte row meet on the same L2 lines, and the default's H16 N9 P131072 took 329 us so, not
+// 115 (session 30, history 182).
+#ifdef KDTREE_EXP_NO_GATHER
   return prm.zero_row;
 #endif
   if (key >= c.k1) return prm.zero_row;

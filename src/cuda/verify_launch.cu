@@ -118,7 +118,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // steps (verify_seesaw.cuh).
 enum SplitKernel {
   kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94, kMixed = 95, kDualPair = 96,
-  kDualSRefill = 97, kSeesaw = 98, kDualRem = 99
+  kDualSRefill = 97, kSeesaw = 98
 };
 bool is_dual(int kernel) { return kernel == kDual || kernel == kDualPair || kernel == kDualSRefill; }
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
@@ -136,11 +136,9 @@ constexpr int kMma2Halves = 4;
 //   skinny items reading it together (history 108-109), so it is not the default. Session 29 (history 176, against
 //   the session-28 dual kernel): K = 41 (the model) +6.5% at H16 N9 P131072, 46 +3.8%, 34 +15.7%, 52 +11.9%; slower on
 //   every shape at every K.
+//   Session 30 (history 180) ran the same remainder items inside the dual kernel itself (KDTREE_MIXED=dual, commit
+//   ed8d503, removed): a remainder item costs ~0.9-1.0 of a full item per key there too (+7.8% at best).
 constexpr int kSkinnyRem = 5;   // the skinny kernel of a mixed call (split_launch only)
-// - kDualRem where the device runs kDual, opt-in with KDTREE_MIXED=dual (session 30): the same calls as kMixed, with
-//   the remainder tile's items run by the dual kernel itself (verify_dual.cuh, Rem), on every SM, after the full
-//   tiles' items in one work list. The plan weighs them by a remainder item's cost per key against a full item's
-//   (mixed_dual_rem_items).
 
 // A split kernel with its block size and dynamic shared memory (what both the one-time configuration and every
 // launch need), and the shape of its work items, which the plan cuts them to (Params::block_m, tile_n).
@@ -158,9 +156,9 @@ struct SplitLaunch {
 };
 // One instantiation of the dual kernel (verify_dual.cuh): its thread count depends on the instantiation (the producer
 // warpgroup, KDTREE_DUAL_PRODUCER).
-template <bool Pair, bool SRefill, bool Rem = false>
+template <bool Pair, bool SRefill>
 SplitLaunch dual_launch() {
-  return {kdtree::dual::kdtree_verify_split_dual_kernel<Pair, SRefill, Rem>, kdtree::dual::kThreadsOf<Pair, SRefill>,
+  return {kdtree::dual::kdtree_verify_split_dual_kernel<Pair, SRefill>, kdtree::dual::kThreadsOf<Pair, SRefill>,
           kdtree::dual::kSmemBytes, kdtree::wg::kItemRows, kdtree::wg::kTileN};
 }
 SplitLaunch split_launch(int kernel) {
@@ -172,7 +170,6 @@ SplitLaunch split_launch(int kernel) {
   if (kernel == kPingPong)
     return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes, kWgRows,
             kWgTile};
-  if (kernel == kDualRem) return dual_launch<false, false, true>();
   if (is_dual(kernel))
     return kernel == kDual ? dual_launch<false, false>() : kernel == kDualPair ? dual_launch<true, false>()
                                                                                 : dual_launch<false, true>();
@@ -209,12 +206,10 @@ struct DeviceInfo {
   bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
   int small_kernel;  // the kernel of calls whose requests cannot exceed small_rows rows (kSkinny, kMma2Halves), or 0
   int small_rows;
-  int mixed;         // 1: kMixed calls (a last row tile of <= 16 rows as skinny items), 2: kDualRem calls, 0: neither
-  int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a kMixed call, the remainder items of a
-                     // kDualRem one, or -1 (unset: the model's)
+  bool mixed;        // kMixed calls (a last row tile of <= 16 rows as skinny items)
+  int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a mixed call, or -1 (unset: the model's)
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
-  double mixed_dual_cost;   // KDTREE_MIXED_DUAL_COST, read once (mixed_dual_rem_items)
 };
 
 bool env_is(const char* name, const char* value) {
@@ -282,21 +277,18 @@ DeviceInfo device_info(int dev, int* status) {
       if (e != cudaSuccess || sblocks < 1) small_kernel = small_rows = 0;
     }
     // mixed calls (opt-in): their skinny kernel configured only when asked for, and a failure turns off only them
-    int mixed = kernel == kDual && small_kernel == kSkinny
-                    ? env_is("KDTREE_MIXED", "1") ? 1 : env_is("KDTREE_MIXED", "dual") ? 2 : 0
-                    : 0;
+    bool mixed = kernel == kDual && small_kernel == kSkinny && env_is("KDTREE_MIXED", "1");
     if (mixed) {
       int rblocks = 0;
-      e = configure(split_launch(mixed == 1 ? kSkinnyRem : kDualRem), &rblocks);
+      e = configure(split_launch(kSkinnyRem), &rblocks);
       if (e != cudaSuccess) cudaGetLastError();
-      if (e != cudaSuccess || rblocks < 1) mixed = 0;
+      mixed = e == cudaSuccess && rblocks >= 1;
     }
     const char* mixed_sms = getenv("KDTREE_MIXED_SMS");
-    const char* mixed_cost = getenv("KDTREE_MIXED_DUAL_COST");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed,
                            mixed_sms ? std::max(atoi(mixed_sms), 0) : -1, !env_is("KDTREE_EARLY_COMBINE", "0"),
-                           !env_is("KDTREE_Q_TMA", "0"), mixed_cost ? std::max(atof(mixed_cost), 0.05) : 0.6};
+                           !env_is("KDTREE_Q_TMA", "0")};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -317,7 +309,7 @@ int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
   const long long rows = (long long)heads * (num_tokens / batch);
   if (rows <= dev.small_rows) return dev.small_kernel;
   const long long rem = rows % kdtree::wg::kItemRows;
-  if (dev.mixed && rem > 0 && rem <= kdtree::kMixedRemRows) return dev.mixed == 2 ? kDualRem : kMixed;
+  if (dev.mixed && rem > 0 && rem <= kdtree::kMixedRemRows) return kMixed;
   return dev.kernel;
 }
 
@@ -328,16 +320,6 @@ int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
 int mixed_skinny_sms(int sms, int mt, int set) {
   const int k = set >= 0 ? set : (int)lround(sms * 38.0 / (38.0 + 42.0 * mt));
   return std::min(std::max(k, 1), sms - 1);
-}
-
-// The remainder items of a kDualRem call (KDTREE_MIXED=dual), for mt full row tiles per request: the full tiles get nf
-// = sms / (mt + cost) splits each, so that nf x cost remainder items (cost: KDTREE_MIXED_DUAL_COST, a remainder item's
-// time per key against a full one's) fit on the SMs that they leave, and the remainder takes all of those SMs.
-// KDTREE_MIXED_SMS=K (`set`) sets the count instead (an experiment switch).
-int mixed_dual_rem_items(int sms, int mt, int set, double cost) {
-  if (set >= 0) return std::min(std::max(set, 1), sms - mt);
-  const int nf = std::max(1, (int)floor(sms / (mt + cost)));
-  return std::max(1, sms - mt * nf);
 }
 
 DeviceInfo current_device(int* status) {
@@ -544,18 +526,13 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
   const int call = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
-  const SplitLaunch split = split_launch(call == kMixed ? kDual : call);   // (kDualRem: the dual kernel's Rem form)
+  const SplitLaunch split = split_launch(call == kMixed ? kDual : call);
   prm.block_m = split.block_m;
   prm.tile_n = split.tile_n;
-  prm.mixed = call == kMixed || call == kDualRem;
+  prm.mixed = call == kMixed;
   prm.split_target_s = 0;
   unsigned split_blocks = sms, rem_blocks = 0;
-  if (call == kDualRem) {   // one kernel on every SM: the full tiles' splits and the remainder's items share them
-    const int mt = p->num_heads * (p->num_tokens / p->batch_size) / split.block_m;
-    const int ks = mixed_dual_rem_items(sms, mt, dev.mixed_sms, dev.mixed_dual_cost);
-    prm.split_target = std::max(mt, (sms - ks) / mt * mt);
-    prm.split_target_s = ks;
-  } else if (prm.mixed) {
+  if (prm.mixed) {
     const int mt = p->num_heads * (p->num_tokens / p->batch_size) / split.block_m;   // full row tiles per request
     rem_blocks = mixed_skinny_sms(sms, mt, dev.mixed_sms);
     split_blocks = sms - rem_blocks;
@@ -576,7 +553,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
   // (the default dual kernel, alone or in a mixed call, and the seesaw kernel read them; pair and srefill copy q)
-  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed || call == kDualRem || call == kSeesaw) && build_q_maps(prm, p);
+  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed || call == kSeesaw) && build_q_maps(prm, p);
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than

@@ -94,7 +94,7 @@ def compiled_archs():
 
 _KERNEL_NAMES = {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 93: "wgmma-skinny", 94: "wgmma-trans",
                  95: "wgmma-dual+skinny", 96: "wgmma-dual-pair",
-                 97: "wgmma-dual-srefill", 98: "wgmma-seesaw", 99: "wgmma-dual+rem",
+                 97: "wgmma-dual-srefill", 98: "wgmma-seesaw",
                  3: "mma.sync-3stage", 2: "mma.sync-2stage", 4: "mma.sync-2stage-32row"}
 
 
@@ -103,8 +103,7 @@ def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
     ``"wgmma-skinny"``, ``"wgmma-trans"``, ``"wgmma-dual-pair"``, ``"wgmma-dual-srefill"`` or ``"wgmma-seesaw"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
     runs the dual kernel and no request can exceed 16 rows, ``"wgmma-dual+skinny"`` there, with KDTREE_MIXED=1, when
-    each request's last 64-row tile has at most 16 rows: that tile as skinny items beside the dual kernel, ``"wgmma-dual+rem"``
-    for the same calls with KDTREE_MIXED=dual: that tile's items in the dual kernel itself, ``"mma.sync-2stage-32row"``
+    each request's last 64-row tile has at most 16 rows: that tile as skinny items beside the dual kernel, ``"mma.sync-2stage-32row"``
     where it runs the 2-stage kernel and no request can exceed 32 rows). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
     cdef int status
