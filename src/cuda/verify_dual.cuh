@@ -212,7 +212,7 @@ static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTRE
 // call's 16-row remainder tile (H16 N9: 64 + 64 + 16) as items of this kernel itself, beside the full tiles' items in
 // one work list: S^T = K q^T and O^T += V^T P^T over pairs of ring buffers (64 keys as the wgmma M, the skinny kernel's
 // math), the ring in the pair layout. Correct (70 kernel tests) but slower at every remainder item count: a remainder
-// item took ~32-35 ns per key, a full one ~33 (with both products knocked out ~25 and ~24), so it costs ~0.9-1.0 of a
+// item took ~32-35 ns per key, a full one ~36 (with both products knocked out ~25 and ~24), so it costs ~0.9-1.0 of a
 // full item however little tensor work it has: H16 N9 P131072 +7.8% at 40 remainder items, +22% at 32, +51% at 26.
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
