@@ -208,17 +208,17 @@ static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTRE
 #ifndef KDTREE_DUAL_ALPHA_EARLY
 #define KDTREE_DUAL_ALPHA_EARLY 1
 #endif
+// Measured and removed in session 30 (PERF_LOG history 183; commit ebf7bcd holds it): KDTREE_DUAL_PV_RS, the value
+// warpgroups' P V with P from registers (ldmatrix once per k-step, wgmma m64n128k16 RS; half of P V's shared-memory reads
+// of P). It needs 168 value registers (at 160 ptxas serialises the wgmma), so the producer 32 and slot ids one tile
+// ahead (SLOT_AHEAD 2 spills there): +5.7% at H16 N9 P131072, +3.7% against the same registers without it (the
+// ldmatrix sits between P's acquire and P V's issue, on the chain). Correct (70 kernel tests).
 // Measured and removed in session 30 (PERF_LOG history 180; commit ed8d503 holds it): KDTREE_MIXED=dual, a mixed
 // call's 16-row remainder tile (H16 N9: 64 + 64 + 16) as items of this kernel itself, beside the full tiles' items in
 // one work list: S^T = K q^T and O^T += V^T P^T over pairs of ring buffers (64 keys as the wgmma M, the skinny kernel's
 // math), the ring in the pair layout. Correct (70 kernel tests) but slower at every remainder item count: a remainder
 // item took ~32-35 ns per key, a full one ~36 (with both products knocked out ~25 and ~24), so it costs ~0.9-1.0 of a
 // full item however little tensor work it has: H16 N9 P131072 +7.8% at 40 remainder items, +22% at 32, +51% at 26.
-// KDTREE_DUAL_PV_RS = 1 (session 30, an experiment; 0 the default): the value warpgroups' P V takes P from registers
-// (wgmma RS), loaded by ldmatrix once per k-step, instead of both m64n128k16 halves reading it from shared memory.
-#ifndef KDTREE_DUAL_PV_RS
-#define KDTREE_DUAL_PV_RS 0
-#endif
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
@@ -652,31 +652,11 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
           const uint64_t pd = desc_sw64(smem_u32(p_buffer<Pair>(sm, s, b)));
           constexpr int kStride = Ring<Pair>::kSlabStride;
           const SmemDesc vd(smem_u32(&sm.kv[0][0]) + Ring<Pair>::buffer(b) + (4 * v) * kStride, kStride, 1024);
-#if KDTREE_DUAL_PV_RS
-          // (experiment) P of the warp's 16 rows into registers once per k-step: P (64 rows x 32 keys, 64-byte swizzle)
-          // is read by ldmatrix, 4 KB per warpgroup, not by both m64n128 halves' wgmma, 8 KB
-          uint32_t pa[kPvSteps][4];
-          if constexpr (kProd && !Pair) {
-            const unsigned char* const pb = &sm.p[s][0];
-#pragma unroll
-            for (int kk = 0; kk < kPvSteps; ++kk) {
-              const int row = wrow + (lane & 15), ch = 2 * kk + (lane >> 4);
-              ldmatrix_x4(pa[kk], pb + row * kPRowBytes + ((ch ^ ((row >> 1) & 3)) << 4));
-            }
-          }
-#endif
           wg::wg_fence();
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
 #ifdef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
             continue;
-#endif
-#if KDTREE_DUAL_PV_RS
-            if constexpr (kProd && !Pair) {
-              wg::wgmma_m64n128k16_rs_bt(&o[0], pa[kk], vd.at(kk * 16 * 128));
-              wg::wgmma_m64n128k16_rs_bt(&o[64], pa[kk], vd.at(2 * kStride + kk * 16 * 128));
-              continue;
-            }
 #endif
             const uint64_t da = pd + ((kk * 32) >> 4);
             wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
