@@ -73,7 +73,6 @@ struct MmaShape {
   static constexpr int kWarps = kScoreWarps + kTailWarps + kValueWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kPThreads = (kScoreWarps + kValueWarps) * 32;  // the P and block barriers (no tail warp)
-  static constexpr int kTailThreads = (kScoreWarps + kTailWarps) * 32;  // the tail hand-off barriers
   static constexpr int kGroups = kTileN / 8 / KeyHalves;   // n8 key groups of a score warp's S
   static_assert(BlockM % 16 == 0, "row tile is a whole number of m16 blocks");
   static_assert(KeyHalves == 1 || KeyHalves == 2, "one or two score warps per row block");
@@ -126,9 +125,7 @@ constexpr int kBarBlock = 1;
 constexpr int kBarPFull = 2;                       // + buffer index (kMaxStages ids)
 constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value warps done reading P/alpha[b]
 constexpr int kBarValues = kBarPEmpty + kMaxStages;
-constexpr int kBarTailFull = kBarValues + 1;   // the tail warp's partial S stored (it arrives, the score warps wait)
-constexpr int kBarTailEmpty = kBarValues + 2;  // the score warps have read it (they arrive, the tail warp waits)
-static_assert(kBarTailEmpty < 16, "16 hardware named barriers");
+static_assert(kBarValues < 16, "16 hardware named barriers");
 
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; P V takes two k16 steps per tile");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
@@ -175,12 +172,17 @@ struct PairExchange<BlockM, 2> {
 };
 
 // The tail warp's partial S of one tile, in its accumulators' order ([row block][n8 key group][lane]: each lane
-// reads back its own float4, conflict-free), written by the tail warp, read by the score warps.
+// reads back its own float4, conflict-free), written by the tail warp, read by the score warps, handed over on two
+// mbarriers that advance one phase a tile through every item of the block (the first version used a pair of named
+// barriers, bar.arrive on one side and bar.sync on the other; racecheck does not follow that ordering and reported
+// the next tile's store against this tile's read, session 31).
 template <int BlockM, bool Tail>
 struct TailExchange {};
 template <int BlockM>
 struct TailExchange<BlockM, true> {
   float4 ts[BlockM / 16][kTileN / 8][32];          // 6,144 B (48 rows)
+  unsigned long long ts_full;                      // the tail warp stored a tile's partial S (32 arrivals)
+  unsigned long long ts_empty;                     // the score warps read it (kScoreWarps x 32 arrivals)
 };
 
 template <int Stages, int BlockM = kBlockM, int KeyHalves = 1, int TailSteps = 0>
@@ -1068,10 +1070,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         mbar_init(&sm.xl_full[r], 32);
       }
     }
+    if constexpr (kTailSteps > 0) {
+      mbar_init(&sm.ts_full, 32);
+      mbar_init(&sm.ts_empty, kScoreWarps * 32);
+    }
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
-  uint32_t pair_bits = 0u;   // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full
+  // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full. Score and tail warps: bit 3 =
+  // the parity of the next ts_full phase (tiles handed over so far in this block, mod 2)
+  uint32_t pair_bits = 0u;
 
   for (int k = 0;; ++k) {
 #ifdef KDTREE_EXP_TRACE
@@ -1192,7 +1200,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 #endif
         }
         if constexpr (kTailSteps > 0) {   // the tail warp's part of S (all three score warps take part, active or not)
-          bar_sync(kBarTailFull, Shape::kTailThreads);
+          mbar_wait(&sm.ts_full, (pair_bits >> 3) & 1u);
           if (active) {
 #pragma unroll
             for (int nt = 0; nt < kGroups; ++nt) {
@@ -1203,7 +1211,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
               acc[nt][3] += v.w;
             }
           }
-          if (it + 1 < cx.ntiles) bar_arrive(kBarTailEmpty, Shape::kTailThreads);   // the tail may store the next
+          mbar_arrive(&sm.ts_empty);   // the tail warp may store the next tile's
+          pair_bits ^= 8u;
         }
         if (active) {
 #ifdef KDTREE_EXP_TRACE
@@ -1319,13 +1328,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 #endif
           // its reads of buffer b are done (the mma consumed them) before the score warps can publish this tile's P,
           // so before the value warps refill b
-          if (it > 0) bar_sync(kBarTailEmpty, Shape::kTailThreads);   // the score warps have read the last one
+          // the score warps read the last one (the first tile's wait is on the phase before a fresh barrier's first,
+          // which counts as complete)
+          mbar_wait(&sm.ts_empty, ((pair_bits >> 3) & 1u) ^ 1u);
 #pragma unroll
           for (int rb = 0; rb < kRowBlocks; ++rb)
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
               sm.ts[rb][nt][lane] = make_float4(acc[rb][nt][0], acc[rb][nt][1], acc[rb][nt][2], acc[rb][nt][3]);
-          bar_arrive(kBarTailFull, Shape::kTailThreads);
+          mbar_arrive(&sm.ts_full);
+          pair_bits ^= 8u;
         }
       }
     } else {
