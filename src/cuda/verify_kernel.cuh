@@ -73,15 +73,21 @@ struct MmaShape {
   static constexpr int kWarps = kScoreWarps + kTailWarps + kValueWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kPThreads = (kScoreWarps + kValueWarps) * 32;  // the P and block barriers (no tail warp)
+  static constexpr int kTailThreads = (kScoreWarps + kTailWarps) * 32;  // the tail hand-off's named barriers
   static constexpr int kGroups = kTileN / 8 / KeyHalves;   // n8 key groups of a score warp's S
   static_assert(BlockM % 16 == 0, "row tile is a whole number of m16 blocks");
   static_assert(KeyHalves == 1 || KeyHalves == 2, "one or two score warps per row block");
   static_assert(TailSteps == 0 || KeyHalves == 1, "a tail warp beside one score warp per row block only");
   static_assert(TailSteps >= 0 && kQSmemCols >= 0, "the tail takes columns of q's shared-memory part only");
 };
-// The 48-row shape's tail (KDTREE_MMA_S_TAIL k16 steps, 0: none; session 31).
+// The 48-row shape's tail (KDTREE_MMA_S_TAIL k16 steps, 0: none; session 31), handed over on named barriers
+// (KDTREE_MMA_TAIL_MBAR=0: bar.arrive on one side, bar.sync on the other) or on two mbarriers (1: one elected lane a
+// warp arrives after a __syncwarp; session 32).
 #ifndef KDTREE_MMA_S_TAIL
 #define KDTREE_MMA_S_TAIL 0
+#endif
+#ifndef KDTREE_MMA_TAIL_MBAR
+#define KDTREE_MMA_TAIL_MBAR 0
 #endif
 // The default: 48-row items, 3 score warps (+ the tail warp) + 8 value warps (352 or 384 threads, 168 registers a
 // thread).
@@ -125,7 +131,9 @@ constexpr int kBarBlock = 1;
 constexpr int kBarPFull = 2;                       // + buffer index (kMaxStages ids)
 constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value warps done reading P/alpha[b]
 constexpr int kBarValues = kBarPEmpty + kMaxStages;
-static_assert(kBarValues < 16, "16 hardware named barriers");
+constexpr int kBarTailFull = kBarValues + 1;   // the tail warp's partial S stored (it arrives, the score warps wait)
+constexpr int kBarTailEmpty = kBarValues + 2;  // the score warps have read it (they arrive, the tail warp waits)
+static_assert(kBarTailEmpty < 16, "16 hardware named barriers");
 
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; P V takes two k16 steps per tile");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
@@ -172,17 +180,16 @@ struct PairExchange<BlockM, 2> {
 };
 
 // The tail warp's partial S of one tile, in its accumulators' order ([row block][n8 key group][lane]: each lane
-// reads back its own float4, conflict-free), written by the tail warp, read by the score warps, handed over on two
-// mbarriers that advance one phase a tile through every item of the block (the first version used a pair of named
-// barriers, bar.arrive on one side and bar.sync on the other; racecheck does not follow that ordering and reported
-// the next tile's store against this tile's read, session 31).
+// reads back its own float4, conflict-free), written by the tail warp, read by the score warps, handed over on a
+// pair of named barriers (kBarTailFull / kBarTailEmpty) or, under KDTREE_MMA_TAIL_MBAR, on two mbarriers that advance
+// one phase a tile through every item of the block.
 template <int BlockM, bool Tail>
 struct TailExchange {};
 template <int BlockM>
 struct TailExchange<BlockM, true> {
   float4 ts[BlockM / 16][kTileN / 8][32];          // 6,144 B (48 rows)
-  unsigned long long ts_full;                      // the tail warp stored a tile's partial S (32 arrivals)
-  unsigned long long ts_empty;                     // the score warps read it (kScoreWarps x 32 arrivals)
+  unsigned long long ts_full;                      // (KDTREE_MMA_TAIL_MBAR) the tail warp stored a tile's partial S
+  unsigned long long ts_empty;                     // (KDTREE_MMA_TAIL_MBAR) the score warps read it (a lane a warp)
 };
 
 template <int Stages, int BlockM = kBlockM, int KeyHalves = 1, int TailSteps = 0>
@@ -1070,15 +1077,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         mbar_init(&sm.xl_full[r], 32);
       }
     }
-    if constexpr (kTailSteps > 0) {
-      mbar_init(&sm.ts_full, 32);
-      mbar_init(&sm.ts_empty, kScoreWarps * 32);
+    if constexpr (kTailSteps > 0 && KDTREE_MMA_TAIL_MBAR) {
+      mbar_init(&sm.ts_full, 1);
+      mbar_init(&sm.ts_empty, kScoreWarps);
     }
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
-  // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full. Score and tail warps: bit 3 =
-  // the parity of the next ts_full phase (tiles handed over so far in this block, mod 2)
+  // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full. Score and tail warps under
+  // KDTREE_MMA_TAIL_MBAR: bit 3 = the parity of the next ts_full phase (tiles handed over so far in this block, mod 2)
   uint32_t pair_bits = 0u;
 
   for (int k = 0;; ++k) {
@@ -1200,7 +1207,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 #endif
         }
         if constexpr (kTailSteps > 0) {   // the tail warp's part of S (all three score warps take part, active or not)
-          mbar_wait(&sm.ts_full, (pair_bits >> 3) & 1u);
+          if (KDTREE_MMA_TAIL_MBAR) mbar_wait(&sm.ts_full, (pair_bits >> 3) & 1u);
+          else bar_sync(kBarTailFull, Shape::kTailThreads);
           if (active) {
 #pragma unroll
             for (int nt = 0; nt < kGroups; ++nt) {
@@ -1211,8 +1219,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
               acc[nt][3] += v.w;
             }
           }
-          mbar_arrive(&sm.ts_empty);   // the tail warp may store the next tile's
-          pair_bits ^= 8u;
+          if (KDTREE_MMA_TAIL_MBAR) {   // the tail warp may store the next tile's
+            __syncwarp();               // (the warp's reads before its one arrival)
+            if (lane == 0) mbar_arrive(&sm.ts_empty);
+            pair_bits ^= 8u;
+          } else if (it + 1 < cx.ntiles) {
+            bar_arrive(kBarTailEmpty, Shape::kTailThreads);
+          }
         }
         if (active) {
 #ifdef KDTREE_EXP_TRACE
@@ -1328,16 +1341,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 #endif
           // its reads of buffer b are done (the mma consumed them) before the score warps can publish this tile's P,
           // so before the value warps refill b
-          // the score warps read the last one (the first tile's wait is on the phase before a fresh barrier's first,
-          // which counts as complete)
-          mbar_wait(&sm.ts_empty, ((pair_bits >> 3) & 1u) ^ 1u);
+          // the score warps have read the last one (under KDTREE_MMA_TAIL_MBAR the first tile's wait is on the phase
+          // before a fresh barrier's first, which counts as complete)
+          if (KDTREE_MMA_TAIL_MBAR) mbar_wait(&sm.ts_empty, ((pair_bits >> 3) & 1u) ^ 1u);
+          else if (it > 0) bar_sync(kBarTailEmpty, Shape::kTailThreads);
 #pragma unroll
           for (int rb = 0; rb < kRowBlocks; ++rb)
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
               sm.ts[rb][nt][lane] = make_float4(acc[rb][nt][0], acc[rb][nt][1], acc[rb][nt][2], acc[rb][nt][3]);
-          mbar_arrive(&sm.ts_full);
-          pair_bits ^= 8u;
+          if (KDTREE_MMA_TAIL_MBAR) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&sm.ts_full);
+            pair_bits ^= 8u;
+          } else {
+            bar_arrive(kBarTailFull, Shape::kTailThreads);
+          }
         }
       }
     } else {
