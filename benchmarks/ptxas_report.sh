@@ -13,8 +13,7 @@ for arch in 90a 120; do
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr $defs -gencode "arch=compute_$arch,code=sm_$arch" -Isrc/cuda \
        -c src/cuda/verify_launch.cu -o "$tmp/x.o" -Xptxas -v 2>&1 \
     | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
-    | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])ELi0EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
-              s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])ELi([0-9]+)EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves, tail warp \4 k-steps>/; \
+    | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
               s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb0EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<small calls>/; \
               s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb1EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<remainder tiles, KDTREE_MIXED=1>/; \
               s/_ZN6kdtree2tr32kdtree_verify_split_trans_kernelENS_6ParamsE/kdtree_verify_split_trans_kernel/; \
@@ -39,9 +38,9 @@ cat > "$tmp/sz.cu" <<'CU'
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B, its 32-row shape %zu B (sm_120 limit 101376), "
          "3 stages %zu B, dual %zu B, seesaw %zu B, wgmma %zu B, pingpong %zu B, skinny %zu B, trans %zu B (sm_90 limit 232448)\n",
-         sizeof(kdtree::SmemOf<2, kdtree::MmaWide>),
-         sizeof(kdtree::SmemOf<2, kdtree::MmaHalves>),
-         sizeof(kdtree::SmemOf<3, kdtree::MmaWide>), kdtree::dual::kSmemBytes, kdtree::seesaw::kSmemBytes, kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes,
+         sizeof(kdtree::SharedStorage<2>),
+         sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
+         sizeof(kdtree::SharedStorage<3>), kdtree::dual::kSmemBytes, kdtree::seesaw::kSmemBytes, kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes,
          kdtree::sk::kSmemBytes, kdtree::tr::kSmemBytes);
 }
 CU

@@ -45,59 +45,37 @@ constexpr int kMaxStages = 3;
 constexpr int kValueWarps = 8;
 constexpr int kValueCols = kDimNope / kValueWarps;  // 64 value columns per value warp
 
-// Registers: 11 warps put 3 warps on three of the four SM sub-partitions (12 with the tail warp: 3 on each), whose
-// register files hold 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 384) live
-// in registers (24 k-steps x 4 = 96), columns [384, 576) (the last 128 nope + the 64 rope values) in
-// shared memory.
-constexpr int kQRegSteps = 24;
-constexpr int kQRegDims = kQRegSteps * 16;                 // 384
-constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
 // The shape of a work item of the mma.sync kernel: BlockM query rows (BlockM / 16 row blocks of 16) and
 // KeyHalves score warps per row block (1: a score warp runs its row block's S over all 32 keys of a tile;
-// 2: two score warps take 16 keys each and exchange their row maxima every tile, halving the serial S chain),
-// and TailSteps: 0, or the last TailSteps k16 steps of every row block's S (query columns [576 - 16 TailSteps, 576),
-// q in registers) run in one more warp, the tail warp, which hands its partial S to the score warps through shared
-// memory each tile. With 3 score warps the tail warp is warp 3: the fourth SM sub-partition, which otherwise holds
-// only value warps, gets S work too (3 x 144 + 8 x 48 mma.sync a tile leave it at 96 against 240 on the others;
-// a tail of 8 steps makes that 192 against 208: PERF_LOG "Projection", session 31).
-template <int BlockM, int KeyHalves, int TailSteps = 0>
+// 2: two score warps take 16 keys each and exchange their row maxima every tile, halving the serial S chain).
+template <int BlockM, int KeyHalves>
 struct MmaShape {
   static constexpr int kBlockM = BlockM;
   static constexpr int kRowBlocks = BlockM / 16;
   static constexpr int kKeyHalves = KeyHalves;
   static constexpr int kScoreWarps = kRowBlocks * KeyHalves;
-  static constexpr int kTailSteps = TailSteps;
-  static constexpr int kTailWarps = TailSteps > 0 ? 1 : 0;
-  static constexpr int kTailCol0 = kDimQK - TailSteps * 16;          // first query column of the tail's S
-  static constexpr int kQSmemCols = kQSmemDims - TailSteps * 16;     // query columns the score warps read from smem
-  static constexpr int kWarps = kScoreWarps + kTailWarps + kValueWarps;
+  static constexpr int kWarps = kScoreWarps + kValueWarps;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kPThreads = (kScoreWarps + kValueWarps) * 32;  // the P and block barriers (no tail warp)
-  static constexpr int kTailThreads = (kScoreWarps + kTailWarps) * 32;  // the tail hand-off's named barriers
   static constexpr int kGroups = kTileN / 8 / KeyHalves;   // n8 key groups of a score warp's S
   static_assert(BlockM % 16 == 0, "row tile is a whole number of m16 blocks");
   static_assert(KeyHalves == 1 || KeyHalves == 2, "one or two score warps per row block");
-  static_assert(TailSteps == 0 || KeyHalves == 1, "a tail warp beside one score warp per row block only");
-  static_assert(TailSteps >= 0 && kQSmemCols >= 0, "the tail takes columns of q's shared-memory part only");
 };
-// The 48-row shape's tail (KDTREE_MMA_S_TAIL k16 steps, 0: none; session 31), handed over on named barriers
-// (KDTREE_MMA_TAIL_MBAR=0: bar.arrive on one side, bar.sync on the other) or on two mbarriers (1: one elected lane a
-// warp arrives after a __syncwarp; session 32).
-#ifndef KDTREE_MMA_S_TAIL
-#define KDTREE_MMA_S_TAIL 0
-#endif
-#ifndef KDTREE_MMA_TAIL_MBAR
-#define KDTREE_MMA_TAIL_MBAR 0
-#endif
-// The default: 48-row items, 3 score warps (+ the tail warp) + 8 value warps (352 or 384 threads, 168 registers a
-// thread).
-using MmaWide = MmaShape<48, 1, KDTREE_MMA_S_TAIL>;
+// The default: 48-row items, 3 score warps + 8 value warps (352 threads, 168 registers a thread).
+using MmaWide = MmaShape<48, 1>;
 // Items of requests with at most 32 rows (H x N <= 32), 2-stage pipeline (sm_120): 32-row items, two score warps
 // per row block, 12 warps (PERF_LOG history 72: 10-12% faster than 32-row items with one score warp, N1 -9%).
 using MmaHalves = MmaShape<32, 2>;
 constexpr int kBlockM = MmaWide::kBlockM;        // the mma.sync kernel's largest item (workspace sizing)
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
 constexpr int kKeyBytes = kDimQK * 2;    // 1152: one bulk copy per key
+// Registers: 11 warps put 3 warps on three of the four SM sub-partitions, whose register files hold
+// 16,384 registers each, so a thread gets at most 170 (168 allocatable). q_nope columns [0, 384) live
+// in registers (24 k-steps x 4 = 96), columns [384, 576) (the last 128 nope + the 64 rope values) in
+// shared memory.
+constexpr int kQRegSteps = 24;
+constexpr int kQRegDims = kQRegSteps * 16;                 // 384
+constexpr int kQSmemDims = kDimQK - kQRegDims;             // 192
+constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd multiple of 16 B)
 #ifndef KDTREE_MIN_CHUNK
 #define KDTREE_MIN_CHUNK 256
 #endif
@@ -131,9 +109,7 @@ constexpr int kBarBlock = 1;
 constexpr int kBarPFull = 2;                       // + buffer index (kMaxStages ids)
 constexpr int kBarPEmpty = kBarPFull + kMaxStages;  // + buffer index: value warps done reading P/alpha[b]
 constexpr int kBarValues = kBarPEmpty + kMaxStages;
-constexpr int kBarTailFull = kBarValues + 1;   // the tail warp's partial S stored (it arrives, the score warps wait)
-constexpr int kBarTailEmpty = kBarValues + 2;  // the score warps have read it (they arrive, the tail warp waits)
-static_assert(kBarTailEmpty < 16, "16 hardware named barriers");
+static_assert(kBarValues < 16, "16 hardware named barriers");
 
 static_assert(kTileN == 32, "score warps hold four n8 accumulators; P V takes two k16 steps per tile");
 static_assert(kDimNope % (kValueWarps * 16) == 0, "value warps take whole ldmatrix.x4.trans column pairs");
@@ -179,24 +155,10 @@ struct PairExchange<BlockM, 2> {
   unsigned long long xl_full[BlockM / 16];         // key half 1's sums stored, 32 arrivals
 };
 
-// The tail warp's partial S of one tile, in its accumulators' order ([row block][n8 key group][lane]: each lane
-// reads back its own float4, conflict-free), written by the tail warp, read by the score warps, handed over on a
-// pair of named barriers (kBarTailFull / kBarTailEmpty) or, under KDTREE_MMA_TAIL_MBAR, on two mbarriers that advance
-// one phase a tile through every item of the block.
-template <int BlockM, bool Tail>
-struct TailExchange {};
-template <int BlockM>
-struct TailExchange<BlockM, true> {
-  float4 ts[BlockM / 16][kTileN / 8][32];          // 6,144 B (48 rows)
-  unsigned long long ts_full;                      // (KDTREE_MMA_TAIL_MBAR) the tail warp stored a tile's partial S
-  unsigned long long ts_empty;                     // (KDTREE_MMA_TAIL_MBAR) the score warps read it (a lane a warp)
-};
-
-template <int Stages, int BlockM = kBlockM, int KeyHalves = 1, int TailSteps = 0>
-struct SharedStorage : PairExchange<BlockM, KeyHalves>, TailExchange<BlockM, (TailSteps > 0)> {
-  static constexpr int kQPitch = kQSmemDims - TailSteps * 16 + 8;   // bf16 per smem q row: an odd multiple of 16 B
+template <int Stages, int BlockM = kBlockM, int KeyHalves = 1>
+struct SharedStorage : PairExchange<BlockM, KeyHalves> {
   __nv_bfloat16 kv[Stages][kTileN][kKvPitch];       // 37,376 B per stage
-  __nv_bfloat16 q_tail[BlockM][kQPitch];            // 19,200 B (48 rows, no tail): query columns [384, kTailCol0)
+  __nv_bfloat16 q_tail[BlockM][kQSmemPitch];        // 19,200 B (48 rows): query columns [384, 576)
   // P tiles, [buffer][row][32 keys], 16-byte chunks XOR-swizzled by (row / 2) % 4 (no padding
   // needed: 8 rows of one logical chunk land in 8 distinct bank groups)
   __nv_bfloat16 p[Stages][BlockM][kTileN];          //  3,072 B per stage (48 rows)
@@ -209,15 +171,12 @@ struct SharedStorage : PairExchange<BlockM, KeyHalves>, TailExchange<BlockM, (Ta
   long long trace[64][8];
 #endif
 };
-// The shared memory of the kernel with Stages key buffers and item shape Shape.
-template <int Stages, typename Shape>
-using SmemOf = SharedStorage<Stages, Shape::kBlockM, Shape::kKeyHalves, Shape::kTailSteps>;
 // The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
 #ifndef KDTREE_EXP_TRACE
-static_assert(sizeof(SmemOf<2, MmaWide>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
-static_assert(sizeof(SmemOf<2, MmaHalves>) <= 101376, "so must its 32-row shape");
+static_assert(sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
+static_assert(sizeof(SharedStorage<2, MmaHalves::kBlockM, MmaHalves::kKeyHalves>) <= 101376, "so must its 32-row shape");
 #endif
-static_assert(sizeof(SmemOf<kMaxStages, MmaWide>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
+static_assert(sizeof(SharedStorage<kMaxStages>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
 
 struct Params {
   const __nv_bfloat16* q_nope;
@@ -1044,7 +1003,6 @@ template <int Stages, typename Shape = MmaWide>
 __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel(Params prm) {
   constexpr int kBlockM = Shape::kBlockM, kRowBlocks = Shape::kRowBlocks, kKeyHalves = Shape::kKeyHalves;
   constexpr int kScoreWarps = Shape::kScoreWarps, kThreads = Shape::kThreads, kGroups = Shape::kGroups;
-  constexpr int kPThreads = Shape::kPThreads, kTailSteps = Shape::kTailSteps, kQSmemCols = Shape::kQSmemCols;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
   // consumer Blackwell (99 KB per block): only the 2-stage kernel is ever launched there
   if constexpr (Stages > 2) {
@@ -1053,7 +1011,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 #endif
   {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  using Smem = SmemOf<Stages, Shape>;
+  using Smem = SharedStorage<Stages, kBlockM, kKeyHalves>;
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -1063,7 +1021,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
   grid_dependency_wait();   // the plan kernel's counter and plan
   grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
   const int total = prm.counter[1];
-  const int vw = warp - kScoreWarps - Shape::kTailWarps;   // value warp index (negative for score and tail warps)
+  const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
   const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
   const int my_key = vw * kKeysPerWarp + lane;          // an issuer's key within each tile
   uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
@@ -1077,16 +1035,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         mbar_init(&sm.xl_full[r], 32);
       }
     }
-    if constexpr (kTailSteps > 0 && KDTREE_MMA_TAIL_MBAR) {
-      mbar_init(&sm.ts_full, 1);
-      mbar_init(&sm.ts_empty, kScoreWarps);
-    }
     fence_proxy_async();   // make the initialised barriers visible to the bulk-copy (async) proxy
   }
   __syncthreads();
-  // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full. Score and tail warps under
-  // KDTREE_MMA_TAIL_MBAR: bit 3 = the parity of the next ts_full phase (tiles handed over so far in this block, mod 2)
-  uint32_t pair_bits = 0u;
+  uint32_t pair_bits = 0u;   // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full
 
   for (int k = 0;; ++k) {
 #ifdef KDTREE_EXP_TRACE
@@ -1113,8 +1065,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         if (t < cx.ntiles) issue_tile(sm, prm, cx, t, t, vw, lane, slots[t]);
     }
     long long next_slot = slots[Stages];   // issuer lanes: slot id of the next tile to issue
-    for (int i = tid; i < kBlockM * (kQSmemCols / 8); i += kThreads) {   // all copies in flight at once
-      const int r = i / (kQSmemCols / 8), ch = i % (kQSmemCols / 8);
+    for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {   // all copies in flight at once
+      const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
       const int d = kQRegDims + ch * 8;   // query column
       const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
       if (r < cx.rows) {
@@ -1170,10 +1122,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
         // finished with it (the refill is issued after), but that chain runs through the copy
         // engine; this barrier states the order directly (and lets racecheck see it).
-        if (it >= Stages) bar_sync(kBarPEmpty + b, kPThreads);
+        if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
         if (warp == 0) KDTREE_TRACE(1);
-        float acc[kGroups][4] = {};   // this warp's n8 key tiles: independent mma chains
         if (active) {
+          float acc[kGroups][4] = {};   // this warp's n8 key tiles: independent mma chains
 #ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
           // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8 (of this warp's keys)
           const __nv_bfloat16* kbase =
@@ -1192,7 +1144,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
           }
           const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
 #pragma unroll
-          for (int ks = 0; ks < kQSmemCols / 16; ++ks) {
+          for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
             uint32_t a[4], b0[4], b1[4];
             ldmatrix_x4(a, qtbase + ks * 16);
             ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
@@ -1205,29 +1157,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
             }
           }
 #endif
-        }
-        if constexpr (kTailSteps > 0) {   // the tail warp's part of S (all three score warps take part, active or not)
-          if (KDTREE_MMA_TAIL_MBAR) mbar_wait(&sm.ts_full, (pair_bits >> 3) & 1u);
-          else bar_sync(kBarTailFull, Shape::kTailThreads);
-          if (active) {
-#pragma unroll
-            for (int nt = 0; nt < kGroups; ++nt) {
-              const float4 v = sm.ts[rb][nt][lane];
-              acc[nt][0] += v.x;
-              acc[nt][1] += v.y;
-              acc[nt][2] += v.z;
-              acc[nt][3] += v.w;
-            }
-          }
-          if (KDTREE_MMA_TAIL_MBAR) {   // the tail warp may store the next tile's
-            __syncwarp();               // (the warp's reads before its one arrival)
-            if (lane == 0) mbar_arrive(&sm.ts_empty);
-            pair_bits ^= 8u;
-          } else if (it + 1 < cx.ntiles) {
-            bar_arrive(kBarTailEmpty, Shape::kTailThreads);
-          }
-        }
-        if (active) {
+
 #ifdef KDTREE_EXP_TRACE
           if (warp == 0) {   // stamp once the score product has landed in the accumulators
             if (acc[0][0] == 12345.f && acc[kGroups - 1][3] == 12345.f) sm.row_m[0] = 0.f;
@@ -1265,7 +1195,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
             sm.alpha[b][wrow + g + 8] = alpha[1];
           }
         }
-        bar_arrive(kBarPFull + b, kPThreads);   // P/alpha[b] published; run ahead to the next tile
+        bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
         if (warp == 0) KDTREE_TRACE(3);
       }
       if constexpr (kKeyHalves == 2) {   // key half 1's row sums join half 0's (quad sums first)
@@ -1286,78 +1216,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
       }
       if (kh == 0) {
         finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
-                    [] { bar_arrive(kBarBlock, kPThreads); });   // the value warps' epilogue barrier (they wait)
+                    [] { bar_arrive(kBarBlock, kThreads); });   // the value warps' epilogue barrier (they wait)
       } else {
-        bar_arrive(kBarBlock, kPThreads);
-      }
-    } else if (vw < 0) {
-      // =========================== the tail warp (Shape::kTailSteps > 0) ===========================
-      // S over query columns [kTailCol0, 576) for every row block of the item, each tile, handed to the score warps.
-      if constexpr (kTailSteps > 0) {
-        constexpr int kCol0 = Shape::kTailCol0;
-        const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
-        uint32_t qt[kTailSteps][kRowBlocks][4];    // q columns [kCol0, 576) of every row block as A fragments
-#pragma unroll
-        for (int rb = 0; rb < kRowBlocks; ++rb) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = rb * 16 + g + half * 8;
-            const int rr = cx.row0 + r;
-            const int n = rr / H, h = rr - n * H;
-            const long long t = cx.rp.qo_begin + n;
-#pragma unroll
-            for (int ks = 0; ks < kTailSteps; ++ks) {
-#pragma unroll
-              for (int jj = 0; jj < 2; ++jj) {
-                const int col = kCol0 + ks * 16 + jj * 8 + 2 * c;
-                const __nv_bfloat16* src = col < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + col
-                                                          : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (col - kDimNope);
-                qt[ks][rb][jj * 2 + half] = r < cx.rows ? *reinterpret_cast<const uint32_t*>(src) : 0u;
-              }
-            }
-          }
-        }
-        for (int it = 0; it < cx.ntiles; ++it) {
-          const int b = it % Stages;
-          mbar_wait_buffer(sm.full, phase_bits, b);   // tile `it` landed
-          float acc[kRowBlocks][4][4] = {};
-#ifndef KDTREE_EXP_NO_SCORE_MMA
-          const __nv_bfloat16* kbase = &sm.kv[b][((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8 + kCol0];
-#pragma unroll
-          for (int ks = 0; ks < kTailSteps; ++ks) {
-            uint32_t b0[4], b1[4];
-            ldmatrix_x4(b0, kbase + ks * 16);
-            ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
-#pragma unroll
-            for (int rb = 0; rb < kRowBlocks; ++rb) {
-              if (rb < rblocks) {
-                mma_bf16(acc[rb][0], qt[ks][rb], b0[0], b0[1]);
-                mma_bf16(acc[rb][1], qt[ks][rb], b0[2], b0[3]);
-                mma_bf16(acc[rb][2], qt[ks][rb], b1[0], b1[1]);
-                mma_bf16(acc[rb][3], qt[ks][rb], b1[2], b1[3]);
-              }
-            }
-          }
-#endif
-          // its reads of buffer b are done (the mma consumed them) before the score warps can publish this tile's P,
-          // so before the value warps refill b
-          // the score warps have read the last one (under KDTREE_MMA_TAIL_MBAR the first tile's wait is on the phase
-          // before a fresh barrier's first, which counts as complete)
-          if (KDTREE_MMA_TAIL_MBAR) mbar_wait(&sm.ts_empty, ((pair_bits >> 3) & 1u) ^ 1u);
-          else if (it > 0) bar_sync(kBarTailEmpty, Shape::kTailThreads);
-#pragma unroll
-          for (int rb = 0; rb < kRowBlocks; ++rb)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-              sm.ts[rb][nt][lane] = make_float4(acc[rb][nt][0], acc[rb][nt][1], acc[rb][nt][2], acc[rb][nt][3]);
-          if (KDTREE_MMA_TAIL_MBAR) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&sm.ts_full);
-            pair_bits ^= 8u;
-          } else {
-            bar_arrive(kBarTailFull, Shape::kTailThreads);
-          }
-        }
+        bar_arrive(kBarBlock, kThreads);
       }
     } else {
       // =========================== value warps ===========================
@@ -1367,7 +1228,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
 
       for (int it = 0; it < cx.ntiles; ++it) {
         const int b = it % Stages;
-        bar_sync(kBarPFull + b, kPThreads);   // P/alpha[b] of tile `it` published
+        bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
         mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
         if (vw == 0) KDTREE_TRACE(4);
 #pragma unroll
@@ -1417,7 +1278,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
           KDTREE_TRACE(5);
         }
 #endif
-        if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kPThreads);   // P/alpha[b] free for tile it+Stages
+        if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kThreads);   // P/alpha[b] free for tile it+Stages
         // every value warp is done with buffer b (the score warps finished it before publishing P):
         // refill it with tile it+Stages
         bar_sync(kBarValues, kValueWarps * 32);
@@ -1429,7 +1290,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
         }
         if (vw == 0) KDTREE_TRACE(7);
       }
-      bar_sync(kBarBlock, kPThreads);  // row_m / row_l written by the score warps (which only arrive)
+      bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps (which only arrive)
 #pragma unroll
       for (int rb = 0; rb < kRowBlocks; ++rb) {
 #pragma unroll

@@ -184,14 +184,14 @@ SplitLaunch split_launch(int kernel) {
     return {kdtree::tr::kdtree_verify_split_trans_kernel, kdtree::tr::kThreads, kdtree::tr::kSmemBytes,
             kdtree::tr::kRows, kdtree::tr::kTileN, 0};   // (a closed experiment: its combine waits for the whole pass)
   if (kernel == kMma2)
-    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SmemOf<2, kdtree::MmaWide>),
+    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
             kdtree::MmaWide::kBlockM, kTileN};
   if (kernel == kMma2Halves)
     return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
-            sizeof(kdtree::SmemOf<2, kdtree::MmaHalves>),
+            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
             kdtree::MmaHalves::kBlockM, kTileN};
   return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
-          sizeof(kdtree::SmemOf<kdtree::kMaxStages, kdtree::MmaWide>), kdtree::MmaWide::kBlockM, kTileN};
+          sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
 }
 
 // Opts the split kernel into its dynamic shared memory and reports how many of its blocks fit on one SM.
@@ -228,7 +228,7 @@ DeviceInfo device_info(int dev, int* status) {
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) { *status = (int)e; return {}; }
-    int kernel = (size_t)optin >= sizeof(kdtree::SmemOf<kdtree::kMaxStages, kdtree::MmaWide>) ? kMma3 : kMma2;
+    int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kMma3 : kMma2;
 #ifdef KDTREE_HAVE_SM90A
     if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes &&
         (size_t)optin >= kdtree::wg::kSmemBytes && (size_t)optin >= kdtree::pp::kSmemBytes &&
