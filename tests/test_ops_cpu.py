@@ -305,6 +305,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(ops, "workspace_for", lambda device, nbytes: ws)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=1234))
+    monkeypatch.setattr(ops, "_raw_stream", None)   # the public accessor above, stubbed
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch, "empty", empty)
     ops._CHECKED.clear()
@@ -334,6 +336,57 @@ def test_cuda_branch_launches_the_checked_layout(fake_cuda):
     assert kw["num_slots"] == kv.shape[0] and kw["sm_scale"] == SM_SCALE
     assert kw["workspace"] == ws.data_ptr() and kw["workspace_bytes"] == 4096 and kw["stream"] == 1234
     assert kw["reuse_plan"] is False
+
+
+def _offset_copy(t, elements):
+    """t's values in a tensor of t's shape and strides whose storage starts `elements` in (a misaligned base)."""
+    flat = torch.zeros(t.numel() + elements, dtype=t.dtype)
+    view = flat[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _wide_rows(t, width):
+    """t's values in rows `width` elements apart (last dimension padded and sliced back)."""
+    wide = torch.zeros(*t.shape[:-1], width, dtype=t.dtype)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
+
+
+@pytest.mark.parametrize("name", ["q_nope", "q_pe", "kv_cache", "k_new", "out"])
+def test_cuda_branch_names_a_misaligned_pointer(fake_cuda, name):
+    # CUDA needs 16-byte aligned rows: a base pointer off by one bf16 is refused, naming the tensor, on the first
+    # (checked) and a second (cached signature) call alike; the CPU path takes the same tensors
+    launches, _ = fake_cuda
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    out = torch.empty(27, 3, 512, dtype=torch.bfloat16)
+    if name == "out":
+        out = _offset_copy(out, 1)
+    else:
+        args[name] = _offset_copy(args[name], 1)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"{name} data pointer must be 16-byte aligned, got offset 2"):
+            call(args, out=out)
+    assert not launches
+
+
+@pytest.mark.parametrize("name,width", [("q_nope", 516), ("q_pe", 68), ("kv_cache", 580), ("k_new", 582),
+                                        ("out", 520 + 4)])
+def test_cuda_branch_names_a_misaligned_row_stride(fake_cuda, monkeypatch, name, width):
+    from kdtree import ops
+
+    launches, _ = fake_cuda
+    args, _ = batch_args((40, 0, 7), 9, 3)
+    out = torch.empty(27, 3, 512, dtype=torch.bfloat16)
+    if name == "out":
+        out = _wide_rows(out, width)
+    else:
+        args[name] = _wide_rows(args[name], width)
+    with pytest.raises(ValueError, match=rf"{name} row strides must be multiples of 8 elements \(16 bytes\)"):
+        call(args, out=out)
+    assert not launches and not ops._CHECKED   # a refused signature is not cached
+    monkeypatch.undo()   # the real CPU path: no alignment needed
+    assert torch.equal(call(args, out=out), call(batch_args((40, 0, 7), 9, 3)[0]))
 
 
 def test_reuse_plan_needs_the_callers_workspace(fake_cuda, monkeypatch):

@@ -25,6 +25,7 @@ kernel (``kdtree.sglang_patch`` does).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -108,16 +109,48 @@ def _row_strides(t: torch.Tensor, name: str, width: int):
     return st, sh
 
 
-def _aligned(t: torch.Tensor, name: str, row_strides) -> None:
-    """CUDA only: 16-byte aligned base pointer and row strides (bf16: multiples of 8 elements)."""
-    if t.data_ptr() % _ALIGN_BYTES:
-        raise ValueError(f"{name} data pointer must be {_ALIGN_BYTES}-byte aligned, got offset "
-                         f"{t.data_ptr() % _ALIGN_BYTES} (slice it at a multiple of 8 elements)")
-    per = _ALIGN_BYTES // t.element_size()
-    for s in row_strides:
-        if s % per:
+def _check_cuda_strides(q_nope, q_pe, kv_cache, k_new, out, checked) -> None:
+    """CUDA only, once per signature: every row stride the kernel walks is a multiple of 16 bytes."""
+    per = _ALIGN_BYTES // 2   # bf16 elements
+    for name, strides in (("q_nope", (checked.q_nope_st, checked.q_nope_sh)), ("q_pe", (checked.q_pe_st, checked.q_pe_sh)),
+                          ("kv_cache", (checked.kv_st,)), ("k_new", (checked.k_new_st,)),
+                          ("out", (checked.out_st, checked.out_sh) if out is not None else ())):
+        if any(s % per for s in strides):
+            t = {"q_nope": q_nope, "q_pe": q_pe, "kv_cache": kv_cache, "k_new": k_new, "out": out}[name]
             raise ValueError(f"{name} row strides must be multiples of {per} elements "
                              f"({_ALIGN_BYTES} bytes), got strides {t.stride()}")
+
+
+def _check_pointers(named_ptrs) -> None:
+    """CUDA only, every call: 16-byte aligned base pointers (one test for all; the name on failure)."""
+    acc = 0
+    for _, ptr in named_ptrs:
+        acc |= ptr
+    if acc % _ALIGN_BYTES:
+        for name, ptr in named_ptrs:
+            if ptr % _ALIGN_BYTES:
+                raise ValueError(f"{name} data pointer must be {_ALIGN_BYTES}-byte aligned, got offset "
+                                 f"{ptr % _ALIGN_BYTES} (slice it at a multiple of 8 elements)")
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # (device index) -> cudaStream_t as an int
+
+
+def _stream_ptr(device: torch.device) -> int:
+    """``device``'s current CUDA stream as an int: torch's raw accessor (what Triton's launcher uses), ~10x cheaper
+    than building a torch.cuda.Stream; the public path where a torch build lacks it."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _device_guard(device: torch.device):
+    """``torch.cuda.device(device)`` where it differs from the current device (entering that context costs ~2 us a
+    call); a no-op context otherwise."""
+    return _SAME_DEVICE if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 def _index_vector(t, name: str, device, *dtypes) -> torch.Tensor:
@@ -219,6 +252,8 @@ class _Checked(NamedTuple):
     q_pe_sh: int
     kv_st: int
     k_new_st: int
+    out_st: int      # out's (t, h) strides: of the caller's out, else of a fresh contiguous one
+    out_sh: int
 
 
 _CHECKED: Dict[tuple, _Checked] = {}   # argument signature -> its checked structure
@@ -312,9 +347,11 @@ def _check_structure(q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k
         _dims(out, "out", 3, f"[T, H, {HEAD_DIM_V}]")
         _shape(out, "out", (T, H, HEAD_DIM_V), f"[T, H, {HEAD_DIM_V}]")
         _last_dim_contiguous(out, "out")
-        _row_strides(out, "out", HEAD_DIM_V)
+        out_st, out_sh = _row_strides(out, "out", HEAD_DIM_V)
+    else:
+        out_st, out_sh = H * HEAD_DIM_V, HEAD_DIM_V
 
-    return _Checked(device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st)
+    return _Checked(device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st, out_st, out_sh)
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,23 +419,26 @@ def verify_attention(
         TypeError / ValueError naming the offending argument; ``kdtree.KdtreeError`` if the kernel
         rejects the launch; ImportError for CUDA tensors when the extension is not built.
     """
-    # Structural checks (types, dtypes, devices, shapes, strides) depend only on each tensor's
-    # signature; a call whose signature passed before skips them (SGLang repeats one signature per
-    # layer and step). Values, pointers and the workspace are checked on every call below.
-    key = _signature((q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, out))
+    # Structural checks (types, dtypes, devices, shapes, strides; the pack arguments' too; on CUDA the row strides'
+    # alignment) depend only on each tensor's signature; a call whose signature passed before skips them (SGLang
+    # repeats one signature per layer and step). Values, pointers and the workspace are checked on every call below.
+    key = _signature((q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, out, custom_mask,
+                      mask_indptr))
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check_structure(q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, out)
+        if custom_mask is not None or mask_indptr is not None:
+            _check_pack(custom_mask, mask_indptr, qo_indptr, kv_indptr, tree_mask, checked.device)
+        if checked.device.type == "cuda":
+            _check_cuda_strides(q_nope, q_pe, kv_cache, k_new, out, checked)
         if key is not None:
             if len(_CHECKED) >= _CHECKED_MAX:
                 _CHECKED.clear()
             _CHECKED[key] = checked
-    device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st = checked
+    device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st, out_st, out_sh = checked
     scale = _sm_scale(sm_scale)
     if not isinstance(reuse_plan, bool):
         raise TypeError(f"reuse_plan must be a bool, got {type(reuse_plan).__name__}")
-    if custom_mask is not None or mask_indptr is not None:
-        _check_pack(custom_mask, mask_indptr, qo_indptr, kv_indptr, tree_mask, device)
 
     if device.type != "cuda":
         if custom_mask is not None:
@@ -417,16 +457,14 @@ def verify_attention(
 
     # ---------------------------------------------------------------- CUDA
     if out is None:
-        out = torch.empty((T, H, HEAD_DIM_V), dtype=torch.bfloat16, device=device)
-    out_st, out_sh = _row_strides(out, "out", HEAD_DIM_V)
-    _aligned(q_nope, "q_nope", (q_nope_st, q_nope_sh))
-    _aligned(q_pe, "q_pe", (q_pe_st, q_pe_sh))
-    _aligned(kv_cache, "kv_cache", (kv_st,))
-    _aligned(k_new, "k_new", (k_new_st,))
-    _aligned(out, "out", (out_st, out_sh))
+        out = torch.empty((T, H, HEAD_DIM_V), dtype=torch.bfloat16, device=device)   # (checked's out strides)
+    q_nope_ptr, q_pe_ptr, kv_ptr, k_new_ptr, out_ptr = (
+        q_nope.data_ptr(), q_pe.data_ptr(), kv_cache.data_ptr(), k_new.data_ptr(), out.data_ptr())
+    _check_pointers((("q_nope", q_nope_ptr), ("q_pe", q_pe_ptr), ("kv_cache", kv_ptr), ("k_new", k_new_ptr),
+                     ("out", out_ptr)))
 
     ext = _ext.load()
-    with torch.cuda.device(device):
+    with _device_guard(device):
         need = int(ext.workspace_size(B, T, H))
         if workspace is None:
             if reuse_plan:
@@ -456,28 +494,29 @@ def verify_attention(
         pack_mask = pack_indptr = 0
         if custom_mask is not None:   # (stream-ordered conversions, no sync; SGLang's dtypes need none)
             custom_mask = custom_mask.contiguous()
-            mask_indptr = mask_indptr.to(torch.int64).contiguous()
+            if mask_indptr.dtype != torch.int64 or not mask_indptr.is_contiguous():
+                mask_indptr = mask_indptr.to(torch.int64).contiguous()
             pack_mask, pack_indptr = custom_mask.data_ptr(), mask_indptr.data_ptr()
         ext.launch(
-            q_nope=q_nope.data_ptr(),
+            q_nope=q_nope_ptr,
             q_nope_stride_t=q_nope_st,
             q_nope_stride_h=q_nope_sh,
-            q_pe=q_pe.data_ptr(),
+            q_pe=q_pe_ptr,
             q_pe_stride_t=q_pe_st,
             q_pe_stride_h=q_pe_sh,
-            kv_cache=kv_cache.data_ptr(),
+            kv_cache=kv_ptr,
             kv_stride_s=kv_st,
             num_slots=int(kv_cache.shape[0]),
             kv_indices=kv_indices_ptr,
             kv_indices_dtype=_INDEX_CODES[kv_indices.dtype],
             kv_indptr=kv_indptr.data_ptr(),
-            k_new=k_new.data_ptr(),
+            k_new=k_new_ptr,
             k_new_stride_t=k_new_st,
             qo_indptr=qo_indptr.data_ptr(),
             qo_indptr_dtype=_INDEX_CODES[qo_indptr.dtype],
             tree_mask=0 if tree_mask is None else tree_mask.data_ptr(),
             tree_mask_words=words,
-            out=out.data_ptr(),
+            out=out_ptr,
             out_stride_t=out_st,
             out_stride_h=out_sh,
             batch_size=B,
@@ -486,7 +525,7 @@ def verify_attention(
             sm_scale=scale,
             workspace=workspace.data_ptr(),
             workspace_bytes=int(workspace.numel()),
-            stream=torch.cuda.current_stream(device).cuda_stream,
+            stream=_stream_ptr(device),
             reuse_plan=reuse_plan,
             pack_custom_mask=pack_mask,
             pack_mask_indptr=pack_indptr,
