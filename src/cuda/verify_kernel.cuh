@@ -408,8 +408,6 @@ __device__ __forceinline__ void write_plan_totals(const Params& prm, int items, 
   prm.counter[2] = combine_slices(max_nsplit);
   prm.counter[3] = items_s;
   prm.counter[4] = 0;
-  prm.counter[5] = 0;   // the combine's work claims (KDTREE_COMBINE_CLAIM) and its blocks done claiming
-  prm.counter[6] = 0;
 }
 
 // Tree-mask packing from SGLang's flat custom_mask: word idx = t * words + w of the packed mask, by one thread (the pack
@@ -1396,24 +1394,11 @@ __device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, 
   return rows * slices;
 }
 
-// Combine works claimed from a counter (session 33): each block takes its next work by one atomicAdd (counter[5]) instead
-// of the static works blockIdx.x, blockIdx.x + gridDim.x, ... Why: the timeline (session 33, H16 N9 P131072) has the
-// latest work's plan read 1.3-1.7 us after the split pass's last block ended, i.e. on a block that could only start
-// once that SM's split block had left. With claims the works go to the first blocks to start, which wait on their tile
-// (tile_done) already resident. The last block to finish claiming zeroes counters 5 and 6 for the next call (the plan
-// kernel zeroes them too). Results do not depend on which block runs a work. 0: the static order.
-#ifndef KDTREE_COMBINE_CLAIM
-#define KDTREE_COMBINE_CLAIM 0
-#endif
-constexpr bool kCombineClaim = KDTREE_COMBINE_CLAIM;
-static_assert(KDTREE_COMBINE_CLAIM == 0 || KDTREE_COMBINE_CLAIM == 1, "KDTREE_COMBINE_CLAIM: 0 or 1");
-
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineAcc];
   __shared__ float s_wsum[kCombineThreads];   // per thread group: its weight sum at the block maximum
   __shared__ float s_red[kCombineWarps];
   __shared__ long long s_tile[2];   // the work's tile: its counter index and its work count
-  __shared__ long long s_claim;     // KDTREE_COMBINE_CLAIM: the block's next work
   KDTREE_TIMELINE(3, 0);
   // With done_arrivals, the combine starts while the split pass still runs: its blocks are scheduled once every split
   // block has passed its own wait for the plan kernel (the split kernels let their dependents launch only then), so
@@ -1438,19 +1423,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   // a skipped iteration, not a launched block
   const long long rows = (long long)prm.num_tokens * prm.heads;
   const long long works = rows * prm.counter[2];   // counter[2]: the largest slice count of any row
-  // the block's next work (block-uniform): claimed, or the static stride
-  auto next_work = [&](long long prev) -> long long {
-    if constexpr (!kCombineClaim) {
-      return prev < 0 ? (long long)blockIdx.x : prev + gridDim.x;
-    } else {
-      __syncthreads();   // every thread has read s_claim, and the previous work's shared buffers
-      if (tid == 0) s_claim = atomicAdd(prm.counter + 5, 1);
-      __syncthreads();
-      return s_claim;
-    }
-  };
-  bool first_work = true;   // (the timeline's "latest block's first work")
-  for (long long w = next_work(-1); w < works; w = next_work(w), first_work = false) {   // block-uniform
+  for (long long w = blockIdx.x; w < works; w += gridDim.x) {   // block-uniform
     const int slice = (int)(w / rows);
     const int gr = (int)(w - slice * rows);   // global row = t * H + h
     const int t = gr / prm.heads, h = gr - t * prm.heads;
@@ -1469,7 +1442,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       }
       __syncthreads();
     }
-    if (first_work) KDTREE_TIMELINE_LATEST(0);
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
     KDTREE_WORK_STAMP(w, 1);
 #ifdef KDTREE_EXP_TIMELINE
     if (tid == 0 && w < kStampWorks) g_work_tile[w] = early ? s_tile[0] : -1;
@@ -1520,7 +1493,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       }
       m_run = m_new;
     }
-    if (first_work) KDTREE_TIMELINE_LATEST(1);
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
     KDTREE_WORK_STAMP(w, 2);
     // to the block maximum, then the groups' sums in a fixed order
     const float m_blk = combine_block_max(m_run, s_red);
@@ -1541,7 +1514,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
           pack_bf16(v0 * inv, v1 * inv);
     }
-    if (first_work) KDTREE_TIMELINE_LATEST(2);
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
     KDTREE_WORK_STAMP(w, 3);
     // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call: no
     // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
@@ -1551,17 +1524,6 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
         prm.tile_done[tile] = 0;
         prm.tile_seen[tile] = 0;
-      }
-    }
-  }
-  if constexpr (kCombineClaim) {
-    // done claiming; the last block to get here zeroes the claim counters (every other block's last claim came
-    // before its arrival here: the fence orders the two atomics)
-    if (tid == 0) {
-      __threadfence();
-      if (atomicAdd(prm.counter + 6, 1) == (int)gridDim.x - 1) {
-        prm.counter[5] = 0;
-        prm.counter[6] = 0;
       }
     }
   }
