@@ -356,7 +356,7 @@ def _wide_rows(t, width):
 @pytest.mark.parametrize("name", ["q_nope", "q_pe", "kv_cache", "k_new", "out"])
 def test_cuda_branch_names_a_misaligned_pointer(fake_cuda, name):
     # CUDA needs 16-byte aligned rows: a base pointer off by one bf16 is refused, naming the tensor, on the first
-    # (checked) and a second (cached signature) call alike; the CPU path takes the same tensors
+    # (checked) and a second (cached signature) call alike
     launches, _ = fake_cuda
     args, _ = batch_args((40, 0, 7), 9, 3)
     out = torch.empty(27, 3, 512, dtype=torch.bfloat16)

@@ -112,11 +112,11 @@ def _row_strides(t: torch.Tensor, name: str, width: int):
 def _check_cuda_strides(q_nope, q_pe, kv_cache, k_new, out, checked) -> None:
     """CUDA only, once per signature: every row stride the kernel walks is a multiple of 16 bytes."""
     per = _ALIGN_BYTES // 2   # bf16 elements
-    for name, strides in (("q_nope", (checked.q_nope_st, checked.q_nope_sh)), ("q_pe", (checked.q_pe_st, checked.q_pe_sh)),
-                          ("kv_cache", (checked.kv_st,)), ("k_new", (checked.k_new_st,)),
-                          ("out", (checked.out_st, checked.out_sh) if out is not None else ())):
+    for name, t, strides in (("q_nope", q_nope, (checked.q_nope_st, checked.q_nope_sh)),
+                             ("q_pe", q_pe, (checked.q_pe_st, checked.q_pe_sh)),
+                             ("kv_cache", kv_cache, (checked.kv_st,)), ("k_new", k_new, (checked.k_new_st,)),
+                             ("out", out, (checked.out_st, checked.out_sh) if out is not None else ())):
         if any(s % per for s in strides):
-            t = {"q_nope": q_nope, "q_pe": q_pe, "kv_cache": kv_cache, "k_new": k_new, "out": out}[name]
             raise ValueError(f"{name} row strides must be multiples of {per} elements "
                              f"({_ALIGN_BYTES} bytes), got strides {t.stride()}")
 
