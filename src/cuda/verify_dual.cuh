@@ -328,6 +328,73 @@ constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 #endif
 static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
+// The combine fused into the split pass (Params::fused_combine, session 34; the launcher's KDTREE_FUSED_COMBINE_ROWS).
+// The combine kernel's blocks start only as split blocks leave their SMs (~1.1 us after the last tile's release at H16
+// N9 P131072, history 187), then read the plan and wait; here the value warpgroups of every block go on, after the
+// block's last item, to the combine's works (combine_works: each value warpgroup a worker of 128 threads playing the
+// combine block's 256, so the output is bit-identical to the combine kernel's), and no combine kernel runs.
+// A worker waits for its works' row tiles, which is safe only once every block of the grid has started: then each
+// split item is done or in a running block, and split items wait for nothing outside their block. A grid whose blocks
+// are not all resident at once (an SM partition smaller than the SM count, e.g. a green context, or SMs held by other
+// work) must not have resident blocks spinning for a tile whose item belongs to a block that cannot start. So a block
+// first waits (bounded, kFusedStartWaitNs) for the count of started blocks; one that does not see them all defers: it
+// records itself in fused_blocks and leaves, and the last block to leave its items (every item done by then, so it
+// waits for nothing) runs the deferred blocks' works as well as its own. That last block also resets the counters for
+// the next call (the combine kernel's reset_work_counters).
+constexpr unsigned long long kFusedStartWaitNs = 50ull * 1000;   // 50 us: the grid's blocks start within a few
+constexpr int kBarFused = 6;                                     // + v: value warpgroup v's worker barrier
+
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+  int n;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
+  return n;
+}
+
+// By the 256 value threads (vt) once the block has no more items: vt 255 released the block's last item.
+// (a call, not inlined, and sm and vt found again here: inlined, ptxas kept some of this code's values live across the
+// role branches, and the score and producer warpgroups, whose registers are tight, spilled 8-12 B; Pair 204 B)
+__device__ __noinline__ void fused_combine(const Params& prm, int vt) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Smem& sm = wg::smem_1k<Smem>(smem_raw);
+  // (the whole ring is idle: the last item's rows have left it before the block barrier that ended the item)
+  int* const flags = reinterpret_cast<int*>(&sm.kv[2][0]);   // this block waits / left last / deferred blocks
+  int* const counter = prm.counter;
+  if (vt == kValueThreads - 1) {
+    const unsigned long long t0 = global_ns();
+    int started = load_acquire_gpu(counter + kCounterStarted);
+    while (started < (int)gridDim.x && global_ns() - t0 < kFusedStartWaitNs) {
+      __nanosleep(256);
+      started = load_acquire_gpu(counter + kCounterStarted);
+    }
+    const bool wait_ok = started >= (int)gridDim.x;
+    if (!wait_ok) prm.fused_blocks[atomicAdd(counter + kCounterDeferred, 1)] = blockIdx.x;
+    __threadfence();   // (the record above, and this block's items' releases, before its count below)
+    const bool last = atomicAdd(counter + kCounterOut, 1) == (int)gridDim.x - 1;
+    flags[0] = wait_ok;
+    flags[1] = last;
+    if (last) {   // every block has left its items: no item claims or started-counts follow in this call
+      __threadfence();
+      flags[2] = __ldcg(counter + kCounterDeferred);
+      counter[0] = 0;   // the work counter, for a next call on the same plan (reuse_plan)
+      counter[kCounterOut] = 0;
+      counter[kCounterStarted] = 0;
+      counter[kCounterDeferred] = 0;
+    }
+  }
+  bar_sync(kBarValues, kValueThreads);
+  const bool wait_ok = flags[0], last = flags[1];
+  const int deferred = last ? flags[2] : 0;
+  const int v = vt >> 7;
+  CombineScratch& cs = *reinterpret_cast<CombineScratch*>(&sm.kv[v][0]);
+  auto sync = [v] { bar_sync(kBarFused + v, 128); };
+  // worker 2 b + v of block b; the last block also takes the deferred blocks' workers
+  if (wait_ok) combine_works<128>(prm, 2 * blockIdx.x + v, 2 * gridDim.x, vt & 127, cs, sync);
+  for (int d = 0; d < deferred; ++d)
+    combine_works<128>(prm, 2 * __ldcg(prm.fused_blocks + d) + v, 2 * gridDim.x, vt & 127, cs, sync);
+}
+static_assert(sizeof(CombineScratch) <= kTileBytes, "a worker's scratch in one ring buffer");
+static_assert(kBarFused + 1 < 16 && kBarFused > kBarScore, "named barriers");
+
 template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
@@ -575,12 +642,16 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     wg::set_max_regs<kValueRegs<Pair, SRefill>, kRegs0>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
+    // (fused_combine: the count its waits rest on, by the thread that later counts the block out, so that the two
+    // are in program order for the last block's reset)
+    if (prm.fused_combine && vt == kValueThreads - 1)
+      asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(prm.counter + kCounterStarted) : "memory");
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) {
         KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
-        return;
+        break;
       }
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 #ifdef KDTREE_EXP_TRACE
@@ -701,6 +772,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       // spilled)
       if (vt == 255) signal_item_done(prm, cx);
     }
+    if (prm.fused_combine) fused_combine(prm, thread_index_now() - 256);
   } else if constexpr (kProd) {
     // =========================== producer warpgroup (KDTREE_DUAL_PRODUCER) ===========================
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then
