@@ -350,29 +350,56 @@ __device__ __forceinline__ int load_acquire_gpu(const int* p) {
   return n;
 }
 
-// By the 256 value threads (vt) once the block has no more items: vt 255 released the block's last item.
+__device__ __forceinline__ int load_relaxed_gpu(const int* p) {
+  int n;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
+  return n;
+}
+
+// By the 256 value threads (vt) once the block has no more items: vt 255 released the block's last item, and
+// `started` is the count of started blocks it loaded right after that release (its latency behind the item fetch).
+// No global round trip stands before the block's own works when every block had started by then: the count of blocks
+// out is issued first and its result used only after them.
 // (a call, not inlined, and sm and vt found again here: inlined, ptxas kept some of this code's values live across the
 // role branches, and the score and producer warpgroups, whose registers are tight, spilled 8-12 B; Pair 204 B)
-__device__ __noinline__ void fused_combine(const Params& prm, int vt) {
+__device__ __noinline__ void fused_combine(const Params& prm_gc, int vt, int started) {
+  const Params& prm = prm_gc;
+  // (the combine's fields once, into registers: in this call prm is a generic pointer into the kernel's parameter
+  // space, and combine_works would load each field again around every store it cannot prove apart from it)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
   // (the whole ring is idle: the last item's rows have left it before the block barrier that ended the item)
   int* const flags = reinterpret_cast<int*>(&sm.kv[2][0]);   // this block waits / left last / deferred blocks
   int* const counter = prm.counter;
+  int out = 0;
   if (vt == kValueThreads - 1) {
-    const unsigned long long t0 = global_ns();
-    int started = load_acquire_gpu(counter + kCounterStarted);
-    while (started < (int)gridDim.x && global_ns() - t0 < kFusedStartWaitNs) {
-      __nanosleep(256);
+    if (started < (int)gridDim.x) {   // (a block without items, or one that finished before some block started)
+      const unsigned long long t0 = global_ns();
       started = load_acquire_gpu(counter + kCounterStarted);
+      while (started < (int)gridDim.x && global_ns() - t0 < kFusedStartWaitNs) {
+        __nanosleep(256);
+        started = load_acquire_gpu(counter + kCounterStarted);
+      }
     }
     const bool wait_ok = started >= (int)gridDim.x;
     if (!wait_ok) prm.fused_blocks[atomicAdd(counter + kCounterDeferred, 1)] = blockIdx.x;
-    __threadfence();   // (the record above, and this block's items' releases, before its count below)
-    const bool last = atomicAdd(counter + kCounterOut, 1) == (int)gridDim.x - 1;
+    // release: the record above, and the block's last item fetch (its claim on counter[0], seen through item_full),
+    // before its count
+    asm volatile("atom.add.release.gpu.global.s32 %0, [%1], 1;\n" : "=r"(out) : "l"(counter + kCounterOut) : "memory");
     flags[0] = wait_ok;
+  }
+  bar_sync(kBarValues, kValueThreads);
+  const int v = vt >> 7;
+  CombineScratch& cs = *reinterpret_cast<CombineScratch*>(&sm.kv[v][0]);
+  auto sync = [v] { bar_sync(kBarFused + v, 128); };
+  // worker 2 b + v of block b; the last block out also takes the deferred blocks' workers
+  const CombineView view = combine_view(prm);
+  if (flags[0]) combine_works<128>(view, 2 * blockIdx.x + v, 2 * gridDim.x, vt & 127, cs, sync);
+  bar_sync(kBarValues, kValueThreads);   // (flags[0] read by all)
+  if (vt == kValueThreads - 1) {
+    const bool last = out == (int)gridDim.x - 1;
     flags[1] = last;
-    if (last) {   // every block has left its items: no item claims or started-counts follow in this call
+    if (last) {   // every block has left its items: no item claims, started counts or deferrals follow in this call
       __threadfence();
       flags[2] = __ldcg(counter + kCounterDeferred);
       counter[0] = 0;   // the work counter, for a next call on the same plan (reuse_plan)
@@ -382,15 +409,9 @@ __device__ __noinline__ void fused_combine(const Params& prm, int vt) {
     }
   }
   bar_sync(kBarValues, kValueThreads);
-  const bool wait_ok = flags[0], last = flags[1];
-  const int deferred = last ? flags[2] : 0;
-  const int v = vt >> 7;
-  CombineScratch& cs = *reinterpret_cast<CombineScratch*>(&sm.kv[v][0]);
-  auto sync = [v] { bar_sync(kBarFused + v, 128); };
-  // worker 2 b + v of block b; the last block also takes the deferred blocks' workers
-  if (wait_ok) combine_works<128>(prm, 2 * blockIdx.x + v, 2 * gridDim.x, vt & 127, cs, sync);
+  const int deferred = flags[1] ? flags[2] : 0;
   for (int d = 0; d < deferred; ++d)
-    combine_works<128>(prm, 2 * __ldcg(prm.fused_blocks + d) + v, 2 * gridDim.x, vt & 127, cs, sync);
+    combine_works<128>(view, 2 * __ldcg(prm.fused_blocks + d) + v, 2 * gridDim.x, vt & 127, cs, sync);
 }
 static_assert(sizeof(CombineScratch) <= kTileBytes, "a worker's scratch in one ring buffer");
 static_assert(kBarFused + 1 < 16 && kBarFused > kBarScore, "named barriers");
@@ -647,6 +668,7 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     if (prm.fused_combine && vt == kValueThreads - 1)
       asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(prm.counter + kCounterStarted) : "memory");
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
+    int started = 0;   // (fused_combine) the count of started blocks, loaded after each item's release
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) {
@@ -770,9 +792,12 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       // every partial of the item is stored (score warpgroup 0's log-sum-exps before the barrier, both value
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
       // spilled)
-      if (vt == 255) signal_item_done(prm, cx);
+      if (vt == 255) {
+        signal_item_done(prm, cx);
+        if (prm.fused_combine) started = load_relaxed_gpu(prm.counter + kCounterStarted);
+      }
     }
-    if (prm.fused_combine) fused_combine(prm, thread_index_now() - 256);
+    if (prm.fused_combine) fused_combine(prm, thread_index_now() - 256, started);
   } else if constexpr (kProd) {
     // =========================== producer warpgroup (KDTREE_DUAL_PRODUCER) ===========================
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then

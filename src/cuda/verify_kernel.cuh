@@ -1393,7 +1393,9 @@ __device__ __forceinline__ void spin_until_done(const int* done, int target) {
     if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
   } while (n < target);
 }
-__device__ __forceinline__ long long wait_tile_done(const Params& prm, const ReqPlan& rp, int r, int nsplit) {
+// (P: Params, or the fused combine's CombineView, which has the fields these read)
+template <class P>
+__device__ __forceinline__ long long wait_tile_done(const P& prm, const ReqPlan& rp, int r, int nsplit) {
   const long long i = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
   const int target = nsplit * prm.done_arrivals;
   const int* done = prm.tile_done + i;
@@ -1403,7 +1405,8 @@ __device__ __forceinline__ long long wait_tile_done(const Params& prm, const Req
   return i;
 }
 // The works of row r's tile: its rows times the slices of each (every one passes wait_tile_done once per call).
-__device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, int r, int slices) {
+template <class P>
+__device__ __forceinline__ int tile_works(const P& prm, const ReqPlan& rp, int r, int slices) {
   const int row0 = tile_row0(rp, prm.block_m, r);
   const int rows = row0 < rp.rows_f ? min(prm.block_m, rp.rows_f - row0) : rp.n * prm.heads - rp.rows_f;
   return rows * slices;
@@ -1425,8 +1428,28 @@ struct CombineScratch {
 // sum is taken in the same order and the output is bit-identical whichever worker took the work. With done_arrivals
 // each work first waits for its row tile's split items; the tile's last work zeroes the tile's counters for the next
 // call.
-template <int NT, class Sync>
-__device__ __forceinline__ void combine_works(const Params& prm, long long first, long long stride, int tid,
+// The fields of Params that combine_works reads, for a caller that holds them in registers (the dual kernel's fused
+// combine, a call that sees Params only through a generic pointer into parameter space).
+struct CombineView {
+  __nv_bfloat16* out;
+  long long out_st, out_sh;
+  const ReqPlan* plan;
+  const float* partial_lse;
+  const __nv_bfloat16* partial_o;
+  int* tile_done;
+  int* tile_seen;
+  int batch, num_tokens, heads, block_m, done_arrivals, slices;
+};
+__device__ __forceinline__ CombineView combine_view(const Params& prm) {
+  return CombineView{prm.out,         prm.out_st,    prm.out_sh,    prm.plan,           prm.partial_lse, prm.partial_o,
+                     prm.tile_done,   prm.tile_seen, prm.batch,     prm.num_tokens,     prm.heads,       prm.block_m,
+                     prm.done_arrivals, prm.counter[2]};
+}
+__device__ __forceinline__ int max_slices(const Params& prm) { return prm.counter[2]; }
+__device__ __forceinline__ int max_slices(const CombineView& v) { return v.slices; }
+
+template <int NT, class P, class Sync>
+__device__ __forceinline__ void combine_works(const P& prm, long long first, long long stride, int tid,
                                               CombineScratch& cs, Sync&& sync) {
   constexpr int V = kCombineThreads / NT;   // layout threads per real thread
   static_assert(kCombineThreads % NT == 0 && NT % 32 == 0, "a worker of whole warps dividing the layout");
@@ -1434,7 +1457,7 @@ __device__ __forceinline__ void combine_works(const Params& prm, long long first
   // work w = (column slice, global row), slice-major: the workers stride over them, the works in use (slice < the
   // row's slice count) come first, and the slices a row does not use cost a skipped iteration, not a launched block
   const long long rows = (long long)prm.num_tokens * prm.heads;
-  const long long works = rows * prm.counter[2];   // counter[2]: the largest slice count of any row
+  const long long works = rows * max_slices(prm);   // counter[2]: the largest slice count of any row
   for (long long w = first; w < works; w += stride) {   // worker-uniform
     const int slice = (int)(w / rows);
     const int gr = (int)(w - slice * rows);   // global row = t * H + h
@@ -1481,27 +1504,24 @@ __device__ __forceinline__ void combine_works(const Params& prm, long long first
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
     }
-    // batch b0: layout thread u's batch at base grp + b0, if its loop (base = grp; base < nsplit) has it; for V > 1
-    // every layout thread's loads of the batch are in flight together
-    for (int b0 = 0; b0 < nsplit; b0 += groups * kCombineBatch) {   // once for <= 256 splits
-      float l[V][kCombineBatch];
-      uint4 v[V][kCombineBatch];
+    // layout thread u's splits in batches (for V > 1 one layout thread after the other: both at once measured no
+    // faster in the fused combine, whose call has fewer registers)
 #pragma unroll
-      for (int i = 0; i < V; ++i)
+    for (int i = 0; i < V; ++i) {
+      for (int base = grp[i]; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
+        float l[kCombineBatch];
+        uint4 v[kCombineBatch];
 #pragma unroll
         for (int k = 0; k < kCombineBatch; ++k) {
-          const int sp = grp[i] + b0 + k * groups;
+          const int sp = base + k * groups;
           // (from L2: written by other SMs during this kernel when it started early)
-          l[i][k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
-          v[i][k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + lcol[i] + (long long)sp * rstride * kDimNope))
-                                : make_uint4(0, 0, 0, 0);
+          l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
+          v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + lcol[i] + (long long)sp * rstride * kDimNope))
+                             : make_uint4(0, 0, 0, 0);
         }
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        if (grp[i] + b0 >= nsplit) continue;   // past layout thread u's last batch
         float m_new = m_run[i];
 #pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[i][k]);
+        for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
         if (m_new == -INFINITY) continue;   // nothing visible yet (group-uniform)
         const float sc = exp2f(m_run[i] - m_new);   // 0 on the first visible batch (acc and wsum are 0 then)
         wsum[i] *= sc;
@@ -1509,9 +1529,9 @@ __device__ __forceinline__ void combine_works(const Params& prm, long long first
         for (int j = 0; j < 8; ++j) acc[i][j] *= sc;
 #pragma unroll
         for (int k = 0; k < kCombineBatch; ++k) {
-          const float wk = exp2f(l[i][k] - m_new);
+          const float wk = exp2f(l[k] - m_new);
           wsum[i] += wk;
-          const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[i][k]);
+          const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             const float2 f = __bfloat1622float2(pv[q]);
