@@ -290,51 +290,6 @@ def _run_in_child(env_over, prefixes, heads, tokens, seed):
         return torch.load(path)
 
 
-def _run_cases_in_child(env_over, cases):
-    """_run on make_verify_batch(prefixes, heads, tokens, seed=seed) for each case of cases in a child process with
-    env_over set; the outputs on the CPU and how many combine kernels the profiler saw run."""
-    code = (
-        "import sys, torch, kdtree\n"
-        "from torch.profiler import profile, ProfilerActivity\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "from test_kernel_gpu import _run\n"
-        "from kdtree.synthetic import make_verify_batch\n"
-        f"cases = {cases!r}\n"
-        "outs = []\n"
-        "with profile(activities=[ProfilerActivity.CUDA]) as prof:\n"
-        "    for prefixes, heads, tokens, seed in cases:\n"
-        "        out, _ = _run(make_verify_batch(prefixes, heads, tokens, device='cuda', seed=seed))\n"
-        "        outs.append(out.cpu())\n"
-        "    torch.cuda.synchronize()\n"
-        "n = sum(e.count for e in prof.key_averages() if 'verify_combine_kernel' in e.key)\n"
-        "torch.save({'outs': outs, 'combines': n}, sys.argv[2])\n"
-    )
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "out.pt")
-        r = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), path],
-                           env=dict(os.environ, **env_over), capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return torch.load(path)
-
-
-def test_fused_combine_on_and_off_agree():
-    """The combine fused into the dual kernel's value warpgroups (KDTREE_FUSED_COMBINE_ROWS, read once per process:
-    child processes) gives the combine kernel's output bit for bit: one and two column slices of 44 and 33 splits,
-    eight slices of 132 splits (H8 N4: one row tile), a ragged batch, a short prefix without splits. The fused
-    child must launch no combine kernel, the other one per call."""
-    if kdtree._ext.load().split_kernel() != 92:   # kDual: the fused combine lives in the sm_90a dual kernel
-        pytest.skip("the dual kernel (sm_90a) does not run here")
-    cases = [([65536], 16, 9, 3), ([8192], 16, 9, 4), ([40000], 8, 4, 5), ([30000, 700, 5000], 16, 9, 6),
-             ([100], 16, 9, 7)]
-    off = _run_cases_in_child({"KDTREE_FUSED_COMBINE_ROWS": "0"}, cases)
-    on = _run_cases_in_child({"KDTREE_FUSED_COMBINE_ROWS": "1000000"}, cases)
-    assert off["combines"] == len(cases), f"combine kernels with the fused combine off: {off['combines']}"
-    assert on["combines"] == 0, f"combine kernels with the fused combine on: {on['combines']}"
-    for case, a, b in zip(cases, off["outs"], on["outs"]):
-        assert torch.isfinite(a).all(), f"{case}: unwritten or non-finite output"
-        assert torch.equal(a, b), f"{case}: the fused combine's output differs from the combine kernel's"
-
-
 def test_programmatic_launch_on_and_off_agree():
     """The call's kernels chained by programmatic dependent launch (default on sm_90+) and launched
     plainly (KDTREE_PDL=0, read once per process: a child process) give bit-identical results."""

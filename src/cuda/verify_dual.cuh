@@ -219,6 +219,13 @@ static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTRE
 // math), the ring in the pair layout. Correct (70 kernel tests) but slower at every remainder item count: a remainder
 // item took ~32-35 ns per key, a full one ~36 (with both products knocked out ~25 and ~24), so it costs ~0.9-1.0 of a
 // full item however little tensor work it has: H16 N9 P131072 +7.8% at 40 remainder items, +22% at 32, +51% at 26.
+// Measured and removed in session 34 (PERF_LOG history 190-191; commit 0cb44f4 holds it): the combine fused into this
+// kernel (KDTREE_FUSED_COMBINE_ROWS): after the block's last item its value warpgroups ran the combine's works, 128
+// threads each playing the combine block's 256 (bit-identical output), waiting for tiles only once every block had
+// started (else deferring to the last block out), and no combine kernel ran. Correct and sanitizer-clean, but slower
+// on every shape in all four forms (best: H16 N9 P131072 +1.6%, P8192 +12.8%, B8 +4.3%): two warpgroups of 256
+// threads a block take the split pass's partials in slower than four combine blocks of 256 threads an SM do, by more
+// than the ~1.1 us the combine's blocks wait for the split blocks' SMs.
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);
@@ -327,94 +334,6 @@ constexpr bool kSRefillAfterS = KDTREE_DUAL_SREFILL_AFTER_S;
 #define KDTREE_DUAL_STAGED_STORE 1
 #endif
 static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
-
-// The combine fused into the split pass (Params::fused_combine, session 34; the launcher's KDTREE_FUSED_COMBINE_ROWS).
-// The combine kernel's blocks start only as split blocks leave their SMs (~1.1 us after the last tile's release at H16
-// N9 P131072, history 187), then read the plan and wait; here the value warpgroups of every block go on, after the
-// block's last item, to the combine's works (combine_works: each value warpgroup a worker of 128 threads playing the
-// combine block's 256, so the output is bit-identical to the combine kernel's), and no combine kernel runs.
-// A worker waits for its works' row tiles, which is safe only once every block of the grid has started: then each
-// split item is done or in a running block, and split items wait for nothing outside their block. A grid whose blocks
-// are not all resident at once (an SM partition smaller than the SM count, e.g. a green context, or SMs held by other
-// work) must not have resident blocks spinning for a tile whose item belongs to a block that cannot start. So a block
-// first waits (bounded, kFusedStartWaitNs) for the count of started blocks; one that does not see them all defers: it
-// records itself in fused_blocks and leaves, and the last block to leave its items (every item done by then, so it
-// waits for nothing) runs the deferred blocks' works as well as its own. That last block also resets the counters for
-// the next call (the combine kernel's reset_work_counters).
-constexpr unsigned long long kFusedStartWaitNs = 50ull * 1000;   // 50 us: the grid's blocks start within a few
-constexpr int kBarFused = 6;                                     // + v: value warpgroup v's worker barrier
-
-__device__ __forceinline__ int load_acquire_gpu(const int* p) {
-  int n;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
-  return n;
-}
-
-__device__ __forceinline__ int load_relaxed_gpu(const int* p) {
-  int n;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
-  return n;
-}
-
-// By the 256 value threads (vt) once the block has no more items: vt 255 released the block's last item, and
-// `started` is the count of started blocks it loaded right after that release (its latency behind the item fetch).
-// No global round trip stands before the block's own works when every block had started by then: the count of blocks
-// out is issued first and its result used only after them.
-// (a call, not inlined, and sm and vt found again here: inlined, ptxas kept some of this code's values live across the
-// role branches, and the score and producer warpgroups, whose registers are tight, spilled 8-12 B; Pair 204 B)
-__device__ __noinline__ void fused_combine(const Params& prm_gc, int vt, int started) {
-  const Params& prm = prm_gc;
-  // (the combine's fields once, into registers: in this call prm is a generic pointer into the kernel's parameter
-  // space, and combine_works would load each field again around every store it cannot prove apart from it)
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Smem& sm = wg::smem_1k<Smem>(smem_raw);
-  // (the whole ring is idle: the last item's rows have left it before the block barrier that ended the item)
-  int* const flags = reinterpret_cast<int*>(&sm.kv[2][0]);   // this block waits / left last / deferred blocks
-  int* const counter = prm.counter;
-  int out = 0;
-  if (vt == kValueThreads - 1) {
-    if (started < (int)gridDim.x) {   // (a block without items, or one that finished before some block started)
-      const unsigned long long t0 = global_ns();
-      started = load_acquire_gpu(counter + kCounterStarted);
-      while (started < (int)gridDim.x && global_ns() - t0 < kFusedStartWaitNs) {
-        __nanosleep(256);
-        started = load_acquire_gpu(counter + kCounterStarted);
-      }
-    }
-    const bool wait_ok = started >= (int)gridDim.x;
-    if (!wait_ok) prm.fused_blocks[atomicAdd(counter + kCounterDeferred, 1)] = blockIdx.x;
-    // release: the record above, and the block's last item fetch (its claim on counter[0], seen through item_full),
-    // before its count
-    asm volatile("atom.add.release.gpu.global.s32 %0, [%1], 1;\n" : "=r"(out) : "l"(counter + kCounterOut) : "memory");
-    flags[0] = wait_ok;
-  }
-  bar_sync(kBarValues, kValueThreads);
-  const int v = vt >> 7;
-  CombineScratch& cs = *reinterpret_cast<CombineScratch*>(&sm.kv[v][0]);
-  auto sync = [v] { bar_sync(kBarFused + v, 128); };
-  // worker 2 b + v of block b; the last block out also takes the deferred blocks' workers
-  const CombineView view = combine_view(prm);
-  if (flags[0]) combine_works<128>(view, 2 * blockIdx.x + v, 2 * gridDim.x, vt & 127, cs, sync);
-  bar_sync(kBarValues, kValueThreads);   // (flags[0] read by all)
-  if (vt == kValueThreads - 1) {
-    const bool last = out == (int)gridDim.x - 1;
-    flags[1] = last;
-    if (last) {   // every block has left its items: no item claims, started counts or deferrals follow in this call
-      __threadfence();
-      flags[2] = __ldcg(counter + kCounterDeferred);
-      counter[0] = 0;   // the work counter, for a next call on the same plan (reuse_plan)
-      counter[kCounterOut] = 0;
-      counter[kCounterStarted] = 0;
-      counter[kCounterDeferred] = 0;
-    }
-  }
-  bar_sync(kBarValues, kValueThreads);
-  const int deferred = flags[1] ? flags[2] : 0;
-  for (int d = 0; d < deferred; ++d)
-    combine_works<128>(view, 2 * __ldcg(prm.fused_blocks + d) + v, 2 * gridDim.x, vt & 127, cs, sync);
-}
-static_assert(sizeof(CombineScratch) <= kTileBytes, "a worker's scratch in one ring buffer");
-static_assert(kBarFused + 1 < 16 && kBarFused > kBarScore, "named barriers");
 
 template <bool Pair, bool SRefill>
 __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
@@ -663,17 +582,12 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
     wg::set_max_regs<kValueRegs<Pair, SRefill>, kRegs0>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
-    // (fused_combine: the count its waits rest on, by the thread that later counts the block out, so that the two
-    // are in program order for the last block's reset)
-    if (prm.fused_combine && vt == kValueThreads - 1)
-      asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(prm.counter + kCounterStarted) : "memory");
     uint32_t full_bits = 0u, pf_bits = 0u, q_parity = 0u;
-    int started = 0;   // (fused_combine) the count of started blocks, loaded after each item's release
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) {
         KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
-        break;
+        return;
       }
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
 #ifdef KDTREE_EXP_TRACE
@@ -792,12 +706,8 @@ __global__ void __launch_bounds__(kThreadsOf<Pair, SRefill>, 1)
       // every partial of the item is stored (score warpgroup 0's log-sum-exps before the barrier, both value
       // warpgroups' O): the release, on the value side (on the score side, where registers are tightest, ptxas
       // spilled)
-      if (vt == 255) {
-        signal_item_done(prm, cx);
-        if (prm.fused_combine) started = load_relaxed_gpu(prm.counter + kCounterStarted);
-      }
+      if (vt == 255) signal_item_done(prm, cx);
     }
-    if (prm.fused_combine) fused_combine(prm, thread_index_now() - 256, started);
   } else if constexpr (kProd) {
     // =========================== producer warpgroup (KDTREE_DUAL_PRODUCER) ===========================
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then

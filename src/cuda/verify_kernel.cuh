@@ -80,6 +80,9 @@ constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd 
 #define KDTREE_MIN_CHUNK 256
 #endif
 constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
+// (192 and 128 measured in sessions 4, 6, 18 and 34, PERF_LOG history 41, 52, 122, 192: H16 N9 P8192 -5% with 43
+// splits instead of 33, B8 +1.3 to +3.7% from its 4k and 8k requests' extra items; a request's split count may depend
+// on its own length only, so the two cannot be had apart)
 // Mixed calls (ReqPlan): a last row tile of at most kMixedRemRows rows runs as skinny items of kMixedTileN-key tiles
 // (verify_skinny.cuh's kRows and kTileN, asserted there).
 #ifndef KDTREE_SKINNY_TILE   // the skinny kernel's tile (an experiment switch there)
@@ -207,8 +210,8 @@ struct Params {
   int mixed;          // remainder row tiles of <= 16 rows run as skinny items beside the split kernel (ReqPlan)
   int split_target_s; // skinny items a long request's remainder tile is cut into (mixed calls)
   // workspace views
-  int* counter;       // [kCounters]: dynamic work counter, total items, the combine's slice count (max over rows),
-                      // total skinny items and their work counter (mixed calls); then the fused combine's (below)
+  int* counter;       // [5]: dynamic work counter, total items, the combine's slice count (max over rows), total
+                      // skinny items and their work counter (mixed calls)
   const __nv_bfloat16* zero_row;  // [576] zeros: the source of keys past a split's end
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
@@ -233,17 +236,7 @@ struct Params {
   struct alignas(64) TmaMap { unsigned long long w[16]; };
   TmaMap q_map[2];
   int q_tma;
-  // The combine fused into the dual kernel (session 34; verify_dual.cuh, fused_combine): its value warpgroups run the
-  // combine's works after the block's last item, and no combine kernel is launched. fused_blocks [split_target]: the
-  // blocks that could not wait for their works' tiles (verify_dual.cuh says when), whose works the grid's last block
-  // runs.
-  int fused_combine;
-  int* fused_blocks;
 };
-// Params::counter: [0] the split kernels' work counter, [1] total items, [2] the combine's slice count, [3] total
-// skinny items, [4] their work counter; the fused combine's [5] blocks that left their items, [6] blocks started,
-// [7] blocks deferred (fused_blocks). Zero between calls but for [1]-[3], which the plan kernel writes.
-constexpr int kCounterOut = 5, kCounterStarted = 6, kCounterDeferred = 7, kCounters = 8;
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
   return is64 ? reinterpret_cast<const long long*>(p)[i] : (long long)reinterpret_cast<const int*>(p)[i];
@@ -418,9 +411,6 @@ __device__ __forceinline__ void write_plan_totals(const Params& prm, int items, 
   prm.counter[2] = combine_slices(max_nsplit);
   prm.counter[3] = items_s;
   prm.counter[4] = 0;
-  prm.counter[kCounterOut] = 0;
-  prm.counter[kCounterStarted] = 0;
-  prm.counter[kCounterDeferred] = 0;
 }
 
 // Tree-mask packing from SGLang's flat custom_mask: word idx = t * words + w of the packed mask, by one thread (the pack
@@ -1363,18 +1353,16 @@ constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 3 : 2;
 constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 4 : 2;
 #endif
 
-// Block-wide max in a fixed tree order (deterministic) over a worker of NT threads (sync: its barrier); every
-// thread gets the result.
-template <int NT, class Sync>
-__device__ __forceinline__ float combine_block_max(float v, float* s_red, int tid, Sync&& sync) {
+// Block-wide max in a fixed tree order (deterministic); every thread gets the result.
+__device__ __forceinline__ float combine_block_max(float v, float* s_red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  sync();   // s_red of an earlier reduction has been read
-  if ((tid & 31) == 0) s_red[tid >> 5] = v;
-  sync();
+  __syncthreads();   // s_red of an earlier reduction has been read
+  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
+  __syncthreads();
   v = s_red[0];
 #pragma unroll
-  for (int w = 1; w < NT / 32; ++w) v = fmaxf(v, s_red[w]);
+  for (int w = 1; w < kCombineWarps; ++w) v = fmaxf(v, s_red[w]);
   return v;
 }
 
@@ -1393,9 +1381,7 @@ __device__ __forceinline__ void spin_until_done(const int* done, int target) {
     if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
   } while (n < target);
 }
-// (P: Params, or the fused combine's CombineView, which has the fields these read)
-template <class P>
-__device__ __forceinline__ long long wait_tile_done(const P& prm, const ReqPlan& rp, int r, int nsplit) {
+__device__ __forceinline__ long long wait_tile_done(const Params& prm, const ReqPlan& rp, int r, int nsplit) {
   const long long i = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
   const int target = nsplit * prm.done_arrivals;
   const int* done = prm.tile_done + i;
@@ -1405,187 +1391,17 @@ __device__ __forceinline__ long long wait_tile_done(const P& prm, const ReqPlan&
   return i;
 }
 // The works of row r's tile: its rows times the slices of each (every one passes wait_tile_done once per call).
-template <class P>
-__device__ __forceinline__ int tile_works(const P& prm, const ReqPlan& rp, int r, int slices) {
+__device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, int r, int slices) {
   const int row0 = tile_row0(rp, prm.block_m, r);
   const int rows = row0 < rp.rows_f ? min(prm.block_m, rp.rows_f - row0) : rp.n * prm.heads - rp.rows_f;
   return rows * slices;
 }
 
-// One combine worker's shared memory: the thread groups' sums, their weight sums at the worker's maximum, the warps'
-// maxima and the work's tile (its counter index and work count).
-struct CombineScratch {
-  float acc[kCombineAcc];
-  float wsum[kCombineThreads];
-  float red[kCombineWarps];
-  long long tile[2];
-};
-
-// The combine works first, first + stride, ... of the slice-major list of (column slice, global row) pairs, by a worker
-// of NT threads (thread tid; sync: the worker's barrier, scratch cs): a combine block (NT = 256), or a value warpgroup
-// of the dual kernel when the combine is fused into the split pass (NT = 128, Params::fused_combine). Either way the
-// work is laid out over kCombineThreads threads, each real thread playing kCombineThreads / NT of them, so that every
-// sum is taken in the same order and the output is bit-identical whichever worker took the work. With done_arrivals
-// each work first waits for its row tile's split items; the tile's last work zeroes the tile's counters for the next
-// call.
-// The fields of Params that combine_works reads, for a caller that holds them in registers (the dual kernel's fused
-// combine, a call that sees Params only through a generic pointer into parameter space).
-struct CombineView {
-  __nv_bfloat16* out;
-  long long out_st, out_sh;
-  const ReqPlan* plan;
-  const float* partial_lse;
-  const __nv_bfloat16* partial_o;
-  int* tile_done;
-  int* tile_seen;
-  int batch, num_tokens, heads, block_m, done_arrivals, slices;
-};
-__device__ __forceinline__ CombineView combine_view(const Params& prm) {
-  return CombineView{prm.out,         prm.out_st,    prm.out_sh,    prm.plan,           prm.partial_lse, prm.partial_o,
-                     prm.tile_done,   prm.tile_seen, prm.batch,     prm.num_tokens,     prm.heads,       prm.block_m,
-                     prm.done_arrivals, prm.counter[2]};
-}
-__device__ __forceinline__ int max_slices(const Params& prm) { return prm.counter[2]; }
-__device__ __forceinline__ int max_slices(const CombineView& v) { return v.slices; }
-
-template <int NT, class P, class Sync>
-__device__ __forceinline__ void combine_works(const P& prm, long long first, long long stride, int tid,
-                                              CombineScratch& cs, Sync&& sync) {
-  constexpr int V = kCombineThreads / NT;   // layout threads per real thread
-  static_assert(kCombineThreads % NT == 0 && NT % 32 == 0, "a worker of whole warps dividing the layout");
-  const bool early = prm.done_arrivals > 0;
-  // work w = (column slice, global row), slice-major: the workers stride over them, the works in use (slice < the
-  // row's slice count) come first, and the slices a row does not use cost a skipped iteration, not a launched block
-  const long long rows = (long long)prm.num_tokens * prm.heads;
-  const long long works = rows * max_slices(prm);   // counter[2]: the largest slice count of any row
-  for (long long w = first; w < works; w += stride) {   // worker-uniform
-    const int slice = (int)(w / rows);
-    const int gr = (int)(w - slice * rows);   // global row = t * H + h
-    const int t = gr / prm.heads, h = gr - t * prm.heads;
-    const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
-    if (t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;                      // worker-uniform
-    const int r = (t - rp.qo_begin) * prm.heads + h;
-    const int nsplit = row_nsplit(rp, r);   // the row's own kind: split kernel rows or a skinny remainder's
-    if (nsplit <= 1) continue;                                                      // worker-uniform
-    const int slices = combine_slices(nsplit);
-    if (slice >= slices) continue;                                                  // worker-uniform
-    KDTREE_WORK_STAMP(w, 0);
-    if (early) {   // the row tile's split items have all stored their partials
-      if (tid == 0) {
-        cs.tile[0] = wait_tile_done(prm, rp, r, nsplit);
-        cs.tile[1] = tile_works(prm, rp, r, slices);   // (for the end of the work, kept out of registers)
-      }
-      sync();
-    }
-    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
-    KDTREE_WORK_STAMP(w, 1);
-#ifdef KDTREE_EXP_TIMELINE
-    if (threadIdx.x == 0 && w < kStampWorks) g_work_tile[w] = early ? cs.tile[0] : -1;
-#endif
-    const int cols = kDimNope / slices;       // value columns of this work
-    const int lanes = cols / 8;               // layout threads per split row (8 columns each)
-    const int groups = kCombineThreads / lanes;
-    const int col0 = slice * cols;
-    const long long prow0 = partial_index(rp, prm.heads, r, 0);
-    const long long rstride = partial_index(rp, prm.heads, r, 1) - prow0;   // partial rows per split (the row's kind)
-    const float* lse = prm.partial_lse + prow0;
-    const __nv_bfloat16* src = prm.partial_o + prow0 * kDimNope + col0;
-    // layout thread u = tid + i NT: group u / lanes takes the splits grp, grp + groups, ...: weights 2^(lse - m_run)
-    // against its running maximum
-    int grp[V], lcol[V];
-    float m_run[V], wsum[V], acc[V][8];
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const int u = tid + i * NT;
-      grp[i] = u / lanes;
-      lcol[i] = (u % lanes) * 8;   // within the slice
-      m_run[i] = -INFINITY;
-      wsum[i] = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-    }
-    // layout thread u's splits in batches (for V > 1 one layout thread after the other: both at once measured no
-    // faster in the fused combine, whose call has fewer registers)
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      for (int base = grp[i]; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
-        float l[kCombineBatch];
-        uint4 v[kCombineBatch];
-#pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) {
-          const int sp = base + k * groups;
-          // (from L2: written by other SMs during this kernel when it started early)
-          l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
-          v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + lcol[i] + (long long)sp * rstride * kDimNope))
-                             : make_uint4(0, 0, 0, 0);
-        }
-        float m_new = m_run[i];
-#pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
-        if (m_new == -INFINITY) continue;   // nothing visible yet (group-uniform)
-        const float sc = exp2f(m_run[i] - m_new);   // 0 on the first visible batch (acc and wsum are 0 then)
-        wsum[i] *= sc;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] *= sc;
-#pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) {
-          const float wk = exp2f(l[k] - m_new);
-          wsum[i] += wk;
-          const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(pv[q]);
-            acc[i][2 * q] += wk * f.x;
-            acc[i][2 * q + 1] += wk * f.y;
-          }
-        }
-        m_run[i] = m_new;
-      }
-    }
-    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
-    KDTREE_WORK_STAMP(w, 2);
-    // to the worker's maximum, then the groups' sums in a fixed order
-    float m_own = m_run[0];
-#pragma unroll
-    for (int i = 1; i < V; ++i) m_own = fmaxf(m_own, m_run[i]);
-    const float m_blk = combine_block_max<NT>(m_own, cs.red, tid, sync);
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float sc = m_run[i] == -INFINITY ? 0.f : exp2f(m_run[i] - m_blk);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) cs.acc[grp[i] * cols + lcol[i] + j] = acc[i][j] * sc;
-      if (lcol[i] == 0) cs.wsum[grp[i]] = wsum[i] * sc;
-    }
-    sync();
-    float wtot = 0.f;
-    for (int q = 0; q < groups; ++q) wtot += cs.wsum[q];
-    const float inv = wtot > 0.f ? 1.f / wtot : 0.f;
-    for (int c = 2 * tid; c < cols; c += 2 * NT) {   // one bf16 pair per step, groups in fixed order
-      float v0 = 0.f, v1 = 0.f;
-      for (int q = 0; q < groups; ++q) {
-        v0 += cs.acc[q * cols + c];
-        v1 += cs.acc[q * cols + c + 1];
-      }
-      *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
-          pack_bf16(v0 * inv, v1 * inv);
-    }
-    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
-    KDTREE_WORK_STAMP(w, 3);
-    // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call: no
-    // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
-    // cs.tile: after its stores, so that the round trip delays only its own warp's next wait)
-    if (early && tid == 0) {
-      const long long tile = cs.tile[0];
-      if (atomicAdd(prm.tile_seen + tile, 1) == cs.tile[1] - 1) {
-        prm.tile_done[tile] = 0;
-        prm.tile_seen[tile] = 0;
-      }
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_verify_combine_kernel(Params prm) {
-  __shared__ CombineScratch cs;
+  __shared__ float s_acc[kCombineAcc];
+  __shared__ float s_wsum[kCombineThreads];   // per thread group: its weight sum at the block maximum
+  __shared__ float s_red[kCombineWarps];
+  __shared__ long long s_tile[2];   // the work's tile: its counter index and its work count
   KDTREE_TIMELINE(3, 0);
   // With done_arrivals, the combine starts while the split pass still runs: its blocks are scheduled once every split
   // block has passed its own wait for the plan kernel (the split kernels let their dependents launch only then), so
@@ -1605,7 +1421,115 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     }
   };
   if (!early) reset_work_counters();
-  combine_works<kCombineThreads>(prm, blockIdx.x, gridDim.x, tid, cs, [] { __syncthreads(); });
+  // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
+  // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
+  // a skipped iteration, not a launched block
+  const long long rows = (long long)prm.num_tokens * prm.heads;
+  const long long works = rows * prm.counter[2];   // counter[2]: the largest slice count of any row
+  for (long long w = blockIdx.x; w < works; w += gridDim.x) {   // block-uniform
+    const int slice = (int)(w / rows);
+    const int gr = (int)(w - slice * rows);   // global row = t * H + h
+    const int t = gr / prm.heads, h = gr - t * prm.heads;
+    const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
+    if (t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;                      // block-uniform
+    const int r = (t - rp.qo_begin) * prm.heads + h;
+    const int nsplit = row_nsplit(rp, r);   // the row's own kind: split kernel rows or a skinny remainder's
+    if (nsplit <= 1) continue;                                                      // block-uniform
+    const int slices = combine_slices(nsplit);
+    if (slice >= slices) continue;                                                  // block-uniform
+    KDTREE_WORK_STAMP(w, 0);
+    if (early) {   // the row tile's split items have all stored their partials
+      if (tid == 0) {
+        s_tile[0] = wait_tile_done(prm, rp, r, nsplit);
+        s_tile[1] = tile_works(prm, rp, r, slices);   // (for the end of the work, kept out of registers)
+      }
+      __syncthreads();
+    }
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
+    KDTREE_WORK_STAMP(w, 1);
+#ifdef KDTREE_EXP_TIMELINE
+    if (tid == 0 && w < kStampWorks) g_work_tile[w] = early ? s_tile[0] : -1;
+#endif
+    const int cols = kDimNope / slices;       // value columns of this block
+    const int lanes = cols / 8;               // threads per split row (8 columns each)
+    const int groups = kCombineThreads / lanes;
+    const int grp = tid / lanes;
+    const int lcol = (tid % lanes) * 8;       // within the slice
+    const int col0 = slice * cols;
+    const long long prow0 = partial_index(rp, prm.heads, r, 0);
+    const long long rstride = partial_index(rp, prm.heads, r, 1) - prow0;   // partial rows per split (the row's kind)
+    const float* lse = prm.partial_lse + prow0;
+    const __nv_bfloat16* src = prm.partial_o + prow0 * kDimNope + col0 + lcol;
+    // the group's splits grp, grp + groups, ...: weights 2^(lse - m_run) against the running maximum
+    float m_run = -INFINITY, wsum = 0.f;
+    float acc[8] = {};
+    for (int base = grp; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
+      float l[kCombineBatch];
+      uint4 v[kCombineBatch];
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) {
+        const int sp = base + k * groups;
+        // (from L2: written by other SMs during this kernel when it started early)
+        l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
+        v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
+                           : make_uint4(0, 0, 0, 0);
+      }
+      float m_new = m_run;
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
+      if (m_new == -INFINITY) continue;   // nothing visible yet (group-uniform)
+      const float sc = exp2f(m_run - m_new);   // 0 on the first visible batch (acc and wsum are 0 then)
+      wsum *= sc;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] *= sc;
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) {
+        const float wk = exp2f(l[k] - m_new);
+        wsum += wk;
+        const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(pv[q]);
+          acc[2 * q] += wk * f.x;
+          acc[2 * q + 1] += wk * f.y;
+        }
+      }
+      m_run = m_new;
+    }
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
+    KDTREE_WORK_STAMP(w, 2);
+    // to the block maximum, then the groups' sums in a fixed order
+    const float m_blk = combine_block_max(m_run, s_red);
+    const float sc = m_run == -INFINITY ? 0.f : exp2f(m_run - m_blk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i] * sc;
+    if (lcol == 0) s_wsum[grp] = wsum * sc;
+    __syncthreads();
+    float wtot = 0.f;
+    for (int q = 0; q < groups; ++q) wtot += s_wsum[q];
+    const float inv = wtot > 0.f ? 1.f / wtot : 0.f;
+    for (int c = 2 * tid; c < cols; c += 2 * kCombineThreads) {   // one bf16 pair per step, groups in fixed order
+      float v0 = 0.f, v1 = 0.f;
+      for (int q = 0; q < groups; ++q) {
+        v0 += s_acc[q * cols + c];
+        v1 += s_acc[q * cols + c + 1];
+      }
+      *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
+          pack_bf16(v0 * inv, v1 * inv);
+    }
+    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
+    KDTREE_WORK_STAMP(w, 3);
+    // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call: no
+    // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
+    // s_tile: after its stores, so that the round trip delays only its own warp's next wait)
+    if (early && tid == 0) {
+      const long long tile = s_tile[0];
+      if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
+        prm.tile_done[tile] = 0;
+        prm.tile_seen[tile] = 0;
+      }
+    }
+  }
   if (early) {
     grid_dependency_wait();   // the split pass's completion (this kernel's then implies it)
     reset_work_counters();

@@ -74,21 +74,11 @@ constexpr int kMaxDevices = 64;
 #define KDTREE_SPLITS_PER_SM 1
 #endif
 constexpr int kSplitsPerSm = KDTREE_SPLITS_PER_SM;
-// Dual-kernel calls of at most this many rows (num_tokens x num_heads) run the combine inside the split kernel
-// (verify_dual.cuh, fused_combine; session 34); the environment's KDTREE_FUSED_COMBINE_ROWS, read once, overrides it.
-// The TIMELINE profiling build never fuses: the combine kernel prints its stamps.
-#ifndef KDTREE_FUSED_COMBINE_ROWS
-#define KDTREE_FUSED_COMBINE_ROWS 0
-#endif
-#ifdef KDTREE_EXP_TIMELINE
-#undef KDTREE_FUSED_COMBINE_ROWS
-#define KDTREE_FUSED_COMBINE_ROWS 0
-#endif
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct Layout {
-  size_t header, zero_row, plan, lse, partial, tile_done, tile_seen, fused_blocks, total;
+  size_t header, zero_row, plan, lse, partial, tile_done, tile_seen, total;
   long long max_partial_rows;
 };
 
@@ -104,14 +94,13 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
-  l.zero_row = align_up(kdtree::kCounters * sizeof(int));   // the counters
+  l.zero_row = align_up(5 * sizeof(int));   // the counters
   l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
   l.tile_done = l.partial + align_up((size_t)l.max_partial_rows * kdtree::kDimNope * sizeof(__nv_bfloat16));
   l.tile_seen = l.tile_done + align_up((size_t)l.max_partial_rows * sizeof(int));
-  l.fused_blocks = l.tile_seen + align_up((size_t)l.max_partial_rows * sizeof(int));
-  l.total = l.fused_blocks + align_up((size_t)split_target * sizeof(int));   // (the split grid is <= split_target)
+  l.total = l.tile_seen + align_up((size_t)l.max_partial_rows * sizeof(int));
   return l;
 }
 
@@ -221,7 +210,6 @@ struct DeviceInfo {
   int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a mixed call, or -1 (unset: the model's)
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
-  long long fused_rows;  // dual calls of at most this many rows (T x H) fuse the combine: KDTREE_FUSED_COMBINE_ROWS
 };
 
 bool env_is(const char* name, const char* value) {
@@ -297,12 +285,10 @@ DeviceInfo device_info(int dev, int* status) {
       mixed = e == cudaSuccess && rblocks >= 1;
     }
     const char* mixed_sms = getenv("KDTREE_MIXED_SMS");
-    const char* fused_rows = getenv("KDTREE_FUSED_COMBINE_ROWS");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed,
                            mixed_sms ? std::max(atoi(mixed_sms), 0) : -1, !env_is("KDTREE_EARLY_COMBINE", "0"),
-                           !env_is("KDTREE_Q_TMA", "0"),
-                           fused_rows ? std::max(atoll(fused_rows), 0ll) : (long long)KDTREE_FUSED_COMBINE_ROWS};
+                           !env_is("KDTREE_Q_TMA", "0")};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -568,10 +554,6 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.pack_mask_indptr = p->pack_mask_indptr;
   // (the default dual kernel, alone or in a mixed call, and the seesaw kernel read them; pair and srefill copy q)
   prm.q_tma = dev.q_tma && (call == kDual || call == kMixed || call == kSeesaw) && build_q_maps(prm, p);
-  // the combine fused into the dual kernel's blocks (verify_dual.cuh, fused_combine), where it signals per row tile
-  prm.fused_blocks = reinterpret_cast<int*>(ws + lay.fused_blocks);
-  prm.fused_combine = call == kDual && prm.done_arrivals > 0 &&
-                      (long long)p->num_tokens * p->num_heads <= dev.fused_rows;
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
@@ -600,9 +582,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
 #endif
   const long long combine_blocks =
       std::max(1ll, std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms)) / KDTREE_EXP_COMBINE_BLOCKS_DIV);
-  if (!prm.fused_combine)
-    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, kdtree::kCombineThreads,
-                             0, stream, pdl, prm));
+  KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, kdtree::kCombineThreads,
+                           0, stream, pdl, prm));
 #ifdef KDTREE_EXP_TRACE   // the wgmma kernels' stamps, printed (a plain launch: after the combine has finished)
   KDTREE_TRY(launch_kernel(kdtree::kdtree_trace_dump_kernel, 1, 1, 0, stream, false));
 #endif
