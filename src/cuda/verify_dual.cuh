@@ -223,9 +223,9 @@ static_assert(KDTREE_DUAL_SLOT_AHEAD == 1 || KDTREE_DUAL_SLOT_AHEAD == 2, "KDTRE
 // kernel (KDTREE_FUSED_COMBINE_ROWS): after the block's last item its value warpgroups ran the combine's works, 128
 // threads each playing the combine block's 256 (bit-identical output), waiting for tiles only once every block had
 // started (else deferring to the last block out), and no combine kernel ran. Correct and sanitizer-clean, but slower
-// on every shape in all four forms (best: H16 N9 P131072 +1.6%, P8192 +12.8%, B8 +4.3%): two warpgroups of 256
-// threads a block take the split pass's partials in slower than four combine blocks of 256 threads an SM do, by more
-// than the ~1.1 us the combine's blocks wait for the split blocks' SMs.
+// on every shape in all four forms (best: H16 N9 P131072 +1.6%, P8192 +12.8%, B8 +4.3%). Inferred, not profiled: two
+// warpgroups of 128 threads a block take the split pass's partials in slower than four combine blocks of 256 threads
+// an SM do, by more than the ~1.1 us the combine's blocks wait for the split blocks' SMs.
 // Measured and removed in session 28 (PERF_LOG history 171, 174):
 // - the producer warpgroup as two halves on alternate tiles (KDTREE_DUAL_PRODUCER_HALVES, commit f8fb5f3): +0.4 to
 //   +2.4% with 56 / 48 registers; each half then waits ~1,600 clocks for its buffer (the ring's release binds);

@@ -80,9 +80,9 @@ constexpr int kQSmemPitch = kQSmemDims + 8;  // bf16 per smem q row (400 B: odd 
 #define KDTREE_MIN_CHUNK 256
 #endif
 constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
-// (192 and 128 measured in sessions 4, 6, 18 and 34, PERF_LOG history 41, 52, 122, 192: H16 N9 P8192 -5% with 43
-// splits instead of 33, B8 +1.3 to +3.7% from its 4k and 8k requests' extra items; a request's split count may depend
-// on its own length only, so the two cannot be had apart)
+// (192 and 128 measured in sessions 4, 6, 18 and 34, PERF_LOG history 41, 52, 122, 192: H16 N9 P8192 -4 to -6% with
+// 43 splits instead of 33, B8 +0.4 to +3.7% from its 4k and 8k requests' extra items; a request's split count may
+// depend on its own length only, so the two cannot be had apart)
 // Mixed calls (ReqPlan): a last row tile of at most kMixedRemRows rows runs as skinny items of kMixedTileN-key tiles
 // (verify_skinny.cuh's kRows and kTileN, asserted there).
 #ifndef KDTREE_SKINNY_TILE   // the skinny kernel's tile (an experiment switch there)
