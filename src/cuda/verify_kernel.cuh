@@ -289,9 +289,18 @@ __device__ unsigned long long g_timeline[5][3] = {{~0ull, ~0ull, 0}, {~0ull, ~0u
                                                   {0, 0, 0}};
 __device__ unsigned g_timeline_done = 0;
 // per combine work (session 18; the first kStampWorks works): iteration start, tile wait done, partials summed, row
-// stored (thread 0, ns), its tile's counter index; per tile (counter index mod kStampTiles) the latest item release
+// stored, and (session 35) its addresses ready and its first load batch landed (thread 0, ns), its tile's counter
+// index; per tile (counter index mod kStampTiles) the latest item release
 constexpr int kStampWorks = 2048, kStampTiles = 256;
-__device__ unsigned long long g_work[kStampWorks][4];
+__device__ unsigned long long g_work[kStampWorks][6];
+// %globaltimer read only once dep is known: the read is predicated on it, so it cannot issue before the loads or the
+// arithmetic that dep comes from (0 in the one case in 2^32 where dep equals the test value; such a work is skipped)
+__device__ __forceinline__ unsigned long long global_ns_after(unsigned dep) {
+  unsigned long long t;
+  asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0x7fc00001;\n @p mov.u64 %0, %%globaltimer;\n"
+               " @!p mov.u64 %0, 0;\n}\n" : "=l"(t) : "r"(dep));
+  return t;
+}
 __device__ long long g_work_tile[kStampWorks];
 __device__ unsigned long long g_tile_rel[kStampTiles];
 // per split item (the dual kernel): ns from its value side's store of O to the barrier after it (max, sum, count)
@@ -302,6 +311,8 @@ __device__ unsigned long long g_item_store[3];
                    atomicAdd(&g_item_store[1], d_); atomicAdd(&g_item_store[2], 1ull); } } while (0)
 #define KDTREE_WORK_STAMP(w, e) \
   do { if (threadIdx.x == 0 && (w) < kStampWorks) g_work[w][e] = global_ns(); } while (0)
+#define KDTREE_WORK_STAMP_AFTER(w, e, dep) \
+  do { if (threadIdx.x == 0 && (w) < kStampWorks) g_work[w][e] = global_ns_after(dep); } while (0)
 #define KDTREE_TIMELINE_BY(cond, k, e) \
   do { if (cond) { if (e == 2) atomicMax(&g_timeline[k][2], global_ns()); else atomicMin(&g_timeline[k][e], global_ns()); } } while (0)
 #define KDTREE_TIMELINE(k, e) KDTREE_TIMELINE_BY(threadIdx.x == 0, k, e)
@@ -311,6 +322,7 @@ __device__ unsigned long long g_item_store[3];
 #define KDTREE_ITEM_STORE_BEGIN(cond) do { } while (0)
 #define KDTREE_ITEM_STORE_END(cond) do { } while (0)
 #define KDTREE_WORK_STAMP(w, e) do { } while (0)
+#define KDTREE_WORK_STAMP_AFTER(w, e, dep) do { } while (0)
 #define KDTREE_TIMELINE_LATEST(e) do { } while (0)
 #define KDTREE_TIMELINE_BY(cond, k, e) do { } while (0)
 #define KDTREE_TIMELINE(k, e) do { } while (0)
@@ -1463,6 +1475,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     // the group's splits grp, grp + groups, ...: weights 2^(lse - m_run) against the running maximum
     float m_run = -INFINITY, wsum = 0.f;
     float acc[8] = {};
+    KDTREE_WORK_STAMP_AFTER(w, 4, (unsigned)(uintptr_t)src ^ (unsigned)(uintptr_t)lse);
     for (int base = grp; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
       float l[kCombineBatch];
       uint4 v[kCombineBatch];
@@ -1474,6 +1487,14 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
         v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
                            : make_uint4(0, 0, 0, 0);
       }
+#ifdef KDTREE_EXP_TIMELINE
+      if (base == grp) {   // the first batch's loads have landed
+        unsigned dep = 0;
+#pragma unroll
+        for (int k = 0; k < kCombineBatch; ++k) dep ^= __float_as_uint(l[k]) ^ v[k].w;
+        KDTREE_WORK_STAMP_AFTER(w, 5, dep);
+      }
+#endif
       float m_new = m_run;
 #pragma unroll
       for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
@@ -1553,7 +1574,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     {
       const long long rows = (long long)prm.num_tokens * prm.heads, nw = min(rows * prm.counter[2], (long long)kStampWorks);
       double s_wait = 0, s_sum = 0, s_store = 0, m_wait = 0, m_sum = 0, m_store = 0, s_sum2 = 0, m_sum2 = 0;
-      int n = 0, n2 = 0;
+      double s_addr = 0, s_land = 0, s_math = 0, m_addr = 0, m_land = 0, m_math = 0;   // summing's three parts
+      int n = 0, n2 = 0, n3 = 0;
       long long last[6] = {-1, -1, -1, -1, -1, -1};
       for (long long w = 0; w < nw; ++w) {
         if (g_work[w][3] == 0 || g_work[w][1] < g_work[w][0]) continue;   // skipped (an unsplit row, an unused slice)
@@ -1563,6 +1585,12 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
         const double dw = g_work[w][1] > from ? (g_work[w][1] - from) * 1e-3 : 0.0;
         const double ds = (g_work[w][2] - g_work[w][1]) * 1e-3, dt = (g_work[w][3] - g_work[w][2]) * 1e-3;
         s_wait += dw; s_sum += ds; s_store += dt; ++n;
+        if (g_work[w][4] >= g_work[w][1] && g_work[w][5] >= g_work[w][4] && g_work[w][2] >= g_work[w][5]) {
+          const double da = (g_work[w][4] - g_work[w][1]) * 1e-3, dl = (g_work[w][5] - g_work[w][4]) * 1e-3,
+                       dm = (g_work[w][2] - g_work[w][5]) * 1e-3;
+          s_addr += da; s_land += dl; s_math += dm; ++n3;
+          m_addr = fmax(m_addr, da); m_land = fmax(m_land, dl); m_math = fmax(m_math, dm);
+        }
         if (w >= gridDim.x) { s_sum2 += ds; m_sum2 = fmax(m_sum2, ds); ++n2; }   // a block's second or later work
         m_wait = fmax(m_wait, dw); m_sum = fmax(m_sum, ds); m_store = fmax(m_store, dt);
         for (int j = 0; j < 6; ++j)   // insertion into the six latest stored
@@ -1576,17 +1604,24 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
         printf("TIMELINE works %d: us past the tile's release to the wait's end mean %.2f max %.2f | summing mean %.2f max "
                "%.2f | storing mean %.2f max %.2f | summing in a block's later works (%d) mean %.2f max %.2f\n", n, s_wait / n,
                m_wait, s_sum / n, m_sum, s_store / n, m_store, n2, n2 ? s_sum2 / n2 : 0.0, m_sum2);
+      if (n3 > 0)
+        printf("TIMELINE summing in parts (%d works): wait's end to addresses mean %.2f max %.2f | to the first batch "
+               "landed mean %.2f max %.2f | to summed mean %.2f max %.2f\n", n3, s_addr / n3, m_addr, s_land / n3, m_land,
+               s_math / n3, m_math);
       for (int j = 0; j < 6 && last[j] >= 0; ++j) {
         const long long w = last[j], tile = g_work_tile[w];
-        printf("TIMELINE work %lld (tile %lld): released %.2f | start %.2f waited %.2f summed %.2f stored %.2f\n", w, tile,
+        printf("TIMELINE work %lld (tile %lld): released %.2f | start %.2f waited %.2f addresses %.2f landed %.2f summed %.2f"
+               " stored %.2f\n", w, tile,
                tile >= 0 ? (double)(g_tile_rel[tile % kStampTiles] - t0) * 1e-3 : -1.0, (double)(g_work[w][0] - t0) * 1e-3,
-               (double)(g_work[w][1] - t0) * 1e-3, (double)(g_work[w][2] - t0) * 1e-3, (double)(g_work[w][3] - t0) * 1e-3);
+               (double)(g_work[w][1] - t0) * 1e-3, (double)(g_work[w][4] - t0) * 1e-3, (double)(g_work[w][5] - t0) * 1e-3,
+               (double)(g_work[w][2] - t0) * 1e-3, (double)(g_work[w][3] - t0) * 1e-3);
       }
       if (g_item_store[2])
         printf("TIMELINE split items %llu: storing O to the barrier after it mean %.2f max %.2f us\n", g_item_store[2],
                g_item_store[1] * 1e-3 / g_item_store[2], g_item_store[0] * 1e-3);
       g_item_store[0] = g_item_store[1] = g_item_store[2] = 0;
-      for (long long w = 0; w < kStampWorks; ++w) g_work[w][0] = g_work[w][1] = g_work[w][2] = g_work[w][3] = 0;
+      for (long long w = 0; w < kStampWorks; ++w)
+        for (int e = 0; e < 6; ++e) g_work[w][e] = 0;
       for (int i = 0; i < kStampTiles; ++i) g_tile_rel[i] = 0;
     }
     for (int k = 0; k < 4; ++k) { g_timeline[k][0] = g_timeline[k][1] = ~0ull; g_timeline[k][2] = 0; }
