@@ -93,6 +93,15 @@ constexpr int kMixedTileN = KDTREE_SKINNY_TILE;
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
+// The combine's work (session 35): KDTREE_COMBINE_LEAN 1 is combine_work (compile-time shapes per slice count, a row's
+// partials split-minor, so that a thread's loads are one base and immediate offsets); 0 the loop before it, with partial
+// rows split-major. The old work took ~4 us at the call's tail, most of it the latency of its ~1,000 dependent
+// instructions (TIMELINE, history 193): 64-bit index divisions, divisions by the run-time slice shape, 64-bit address
+// products per split, three dependent round trips before the tile wait. The same sums in the same order either way
+// (bit-identical output).
+#ifndef KDTREE_COMBINE_LEAN
+#define KDTREE_COMBINE_LEAN 0
+#endif
 // Splits per thread per load batch of the combine (session 7: 8, 64 registers and 4 blocks per SM, was
 // faster than 16 at H128 N9 and B8, the same elsewhere).
 #ifndef KDTREE_COMBINE_BATCH
@@ -386,11 +395,18 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
 }
 
 // Partial row of request-local row rr, split `split` (of the row's own kind: the split kernel's rows [0, rows_f), then
-// the remainder's skinny splits after all of theirs).
+// the remainder's skinny splits after all of theirs). A row's splits are adjacent (KDTREE_COMBINE_LEAN; else a split's
+// rows are).
 __device__ __forceinline__ long long partial_index(const ReqPlan& rp, int heads, int rr, int split) {
+#if KDTREE_COMBINE_LEAN
+  if (rr < rp.rows_f) return rp.partial_row + (long long)rr * rp.nsplit + split;
+  const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
+  return base + (long long)(rr - rp.rows_f) * rp.nsplit_s + split;
+#else
   if (rr < rp.rows_f) return rp.partial_row + (long long)split * rp.rows_f + rr;
   const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
   return base + (long long)split * (rp.n * heads - rp.rows_f) + (rr - rp.rows_f);
+#endif
 }
 // How many splits request-local row rr's keys were cut into (1: its item wrote the output row).
 __device__ __forceinline__ int row_nsplit(const ReqPlan& rp, int rr) { return rr < rp.rows_f ? rp.nsplit : rp.nsplit_s; }
@@ -1409,6 +1425,140 @@ __device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, 
   return rows * slices;
 }
 
+__host__ __device__ constexpr int combine_slices_log2(int nsplit) {
+  return nsplit <= 4 * kCombineBatch ? 0 : nsplit <= 8 * kCombineBatch ? 1 : nsplit <= 16 * kCombineBatch ? 2 : 3;
+}
+static_assert(combine_slices(4 * kCombineBatch + 1) == 1 << combine_slices_log2(4 * kCombineBatch + 1) &&
+              combine_slices(16 * kCombineBatch + 1) == 1 << combine_slices_log2(16 * kCombineBatch + 1),
+              "the two forms of the slice count agree");
+
+// One work of the combine: value-column slice `slice` of 2^S of request-local row r (global row gr = t * H + h), its
+// nsplit partials merged in the fixed order of the loop above: every shape of the work (columns, thread groups, the
+// group sums) is a compile-time constant, addresses are a base and a step, and the tile counter's acquire is issued
+// before the addresses are computed.
+#if KDTREE_COMBINE_LEAN
+template <int S>
+__device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& rp, int r, int nsplit, int t, int h,
+                                             int slice, bool early, int w, float* s_acc, float* s_wsum, float* s_red,
+                                             long long* s_tile) {
+  constexpr int kCols = kDimNope >> S;                 // value columns of this work
+  constexpr int kLanes = kCols / 8;                    // threads per split row (8 columns each)
+  constexpr int kGroups = kCombineThreads / kLanes;    // thread groups, each taking every kGroups-th split
+  const int tid = threadIdx.x;
+  const int grp = tid / kLanes;
+  const int lcol = (tid % kLanes) * 8;                 // within the slice
+  // the tile's counter: its acquire in flight while the addresses are computed
+  long long tile = 0;
+  int target = 0, seen = 0;
+  if (early && tid == 0) {
+    tile = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
+    target = nsplit * prm.done_arrivals;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(prm.tile_done + tile) : "memory");
+  }
+  const long long prow = partial_index(rp, prm.heads, r, grp);   // the group's first split (the next: kGroups on)
+  const float* lse = prm.partial_lse + prow;
+  const __nv_bfloat16* src = prm.partial_o + prow * kDimNope + slice * kCols + lcol;
+  const int left = nsplit - grp;                       // this group's splits: k * kGroups < left
+  // the thread's output pair (the threads 2 * tid < kCols store one each), so that t, h and slice are not kept
+  __nv_bfloat16* const dst = prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + slice * kCols + 2 * tid;
+  if (early) {   // the row tile's split items have all stored their partials
+    if (tid == 0) {
+      if (seen < target) spin_until_done(prm.tile_done + tile, target);
+      s_tile[0] = tile;
+      s_tile[1] = tile_works(prm, rp, r, 1 << S);   // (for the end of the work, kept out of registers)
+    }
+    __syncthreads();
+  }
+  if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
+  KDTREE_WORK_STAMP(w, 1);
+#ifdef KDTREE_EXP_TIMELINE
+  if (tid == 0 && w < kStampWorks) g_work_tile[w] = early ? s_tile[0] : -1;
+#endif
+  float m_run = -INFINITY, wsum = 0.f;
+  float acc[8] = {};
+  KDTREE_WORK_STAMP_AFTER(w, 4, (unsigned)(uintptr_t)src ^ (unsigned)(uintptr_t)lse);
+  // once for <= 32 << S splits: always, but with 2^3 slices (a row of more than 256 splits)
+  constexpr int kBatchSplits = S < 3 ? 1 << 30 : kGroups * kCombineBatch;
+  static_assert(S == 3 || kGroups * kCombineBatch >= (4 * kCombineBatch) << S, "one batch takes every split");
+  for (int base = 0; base < left; base += kBatchSplits) {
+    float l[kCombineBatch];
+    uint4 v[kCombineBatch];
+#pragma unroll
+    for (int k = 0; k < kCombineBatch; ++k) {
+      const bool in = base + k * kGroups < left;
+      // (from L2: written by other SMs during this kernel when it started early; immediate offsets from one base)
+      l[k] = in ? __ldcg(lse + k * kGroups) : -INFINITY;
+      v[k] = in ? __ldcg(reinterpret_cast<const uint4*>(src + k * kGroups * kDimNope)) : make_uint4(0, 0, 0, 0);
+    }
+    lse += kCombineBatch * kGroups;
+    src += kCombineBatch * kGroups * kDimNope;
+#ifdef KDTREE_EXP_TIMELINE
+    if (base == 0) {   // the first batch's loads have landed
+      unsigned dep = 0;
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) dep ^= __float_as_uint(l[k]) ^ v[k].w;
+      KDTREE_WORK_STAMP_AFTER(w, 5, dep);
+    }
+#endif
+    float m_new = m_run;
+#pragma unroll
+    for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
+    if (m_new == -INFINITY) continue;   // nothing visible yet (group-uniform)
+    const float sc = exp2f(m_run - m_new);   // 0 on the first visible batch (acc and wsum are 0 then)
+    wsum *= sc;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] *= sc;
+#pragma unroll
+    for (int k = 0; k < kCombineBatch; ++k) {
+      const float wk = exp2f(l[k] - m_new);
+      wsum += wk;
+      const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(pv[q]);
+        acc[2 * q] += wk * f.x;
+        acc[2 * q + 1] += wk * f.y;
+      }
+    }
+    m_run = m_new;
+  }
+  if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
+  KDTREE_WORK_STAMP(w, 2);
+  // to the block maximum, then the groups' sums in a fixed order
+  const float m_blk = combine_block_max(m_run, s_red);
+  const float sc = m_run == -INFINITY ? 0.f : exp2f(m_run - m_blk);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s_acc[grp * kCols + lcol + i] = acc[i] * sc;
+  if (lcol == 0) s_wsum[grp] = wsum * sc;
+  __syncthreads();
+  if (2 * tid < kCols) {   // one bf16 pair a thread, groups in fixed order
+    float wtot = 0.f;
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q) wtot += s_wsum[q];
+    const float inv = wtot > 0.f ? 1.f / wtot : 0.f;
+    const int c = 2 * tid;
+    float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q) {
+      v0 += s_acc[q * kCols + c];
+      v1 += s_acc[q * kCols + c + 1];
+    }
+    *reinterpret_cast<uint32_t*>(dst) = pack_bf16(v0 * inv, v1 * inv);
+  }
+  if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
+  KDTREE_WORK_STAMP(w, 3);
+  // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call (as in
+  // the loop above)
+  if (early && tid == 0) {
+    const long long tl = s_tile[0];
+    if (atomicAdd(prm.tile_seen + tl, 1) == s_tile[1] - 1) {
+      prm.tile_done[tl] = 0;
+      prm.tile_seen[tl] = 0;
+    }
+  }
+}
+#endif
+
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineAcc];
   __shared__ float s_wsum[kCombineThreads];   // per thread group: its weight sum at the block maximum
@@ -1436,6 +1586,32 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
   // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
   // a skipped iteration, not a launched block
+#if KDTREE_COMBINE_LEAN
+  // 32-bit: the host bounds rows * kCombineMaxSlices (and so every w of the loop) below 2^30
+  const unsigned rows = (unsigned)prm.num_tokens * (unsigned)prm.heads;
+  for (unsigned w = blockIdx.x;; w += gridDim.x) {   // block-uniform
+    const unsigned slice = w / rows;
+    const unsigned gr = w - slice * rows;   // global row = t * H + h
+    const int t = (int)(gr / (unsigned)prm.heads), h = (int)gr - t * prm.heads;
+    // the loop bound (counter[2]: the largest slice count of any row) and the work's plan, loaded side by side
+    const unsigned max_slices = (unsigned)prm.counter[2];
+    const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
+    if (slice >= max_slices) break;                                                 // block-uniform
+    if (t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;                      // block-uniform
+    const int r = (t - rp.qo_begin) * prm.heads + h;
+    const int nsplit = row_nsplit(rp, r);   // the row's own kind: split kernel rows or a skinny remainder's
+    if (nsplit <= 1) continue;                                                      // block-uniform
+    const int sl = combine_slices_log2(nsplit);
+    if (slice >= (1u << sl)) continue;                                              // block-uniform
+    KDTREE_WORK_STAMP(w, 0);
+    switch (sl) {
+      case 0: combine_work<0>(prm, rp, r, nsplit, t, h, (int)slice, early, (int)w, s_acc, s_wsum, s_red, s_tile); break;
+      case 1: combine_work<1>(prm, rp, r, nsplit, t, h, (int)slice, early, (int)w, s_acc, s_wsum, s_red, s_tile); break;
+      case 2: combine_work<2>(prm, rp, r, nsplit, t, h, (int)slice, early, (int)w, s_acc, s_wsum, s_red, s_tile); break;
+      default: combine_work<3>(prm, rp, r, nsplit, t, h, (int)slice, early, (int)w, s_acc, s_wsum, s_red, s_tile); break;
+    }
+  }
+#else
   const long long rows = (long long)prm.num_tokens * prm.heads;
   const long long works = rows * prm.counter[2];   // counter[2]: the largest slice count of any row
   for (long long w = blockIdx.x; w < works; w += gridDim.x) {   // block-uniform
@@ -1551,6 +1727,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       }
     }
   }
+#endif
   if (early) {
     grid_dependency_wait();   // the split pass's completion (this kernel's then implies it)
     reset_work_counters();

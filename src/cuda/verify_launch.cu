@@ -364,8 +364,9 @@ int validate(const kdtree_verify_params* p) {
       (p->q_nope_stride_t | p->q_nope_stride_h | p->q_pe_stride_t | p->q_pe_stride_h | p->kv_stride_s |
        p->k_new_stride_t | p->out_stride_t | p->out_stride_h) % 8 != 0)
     return KDTREE_ERR_ALIGNMENT;
-  // rows r = n * H + h of one request and global rows t * H + h are int32 in the kernels
-  if ((long long)p->num_tokens * p->num_heads >= (1ll << 31) / 2) return KDTREE_ERR_OVERFLOW;
+  // rows r = n * H + h of one request and global rows t * H + h are int32 in the kernels, and the combine's works
+  // (rows x column slices, strided by its grid) 32-bit: 2^27 rows, 128 GiB of output, is far beyond any GPU
+  if ((long long)p->num_tokens * p->num_heads * kdtree::kCombineMaxSlices >= (1ll << 30)) return KDTREE_ERR_OVERFLOW;
   return KDTREE_OK;
 }
 
