@@ -408,6 +408,19 @@ __device__ __forceinline__ long long partial_index(const ReqPlan& rp, int heads,
   return base + (long long)split * (rp.n * heads - rp.rows_f) + (rr - rp.rows_f);
 #endif
 }
+// The log-sum-exp's index: the partial row's, or (KDTREE_COMBINE_LSE_SPLIT_MAJOR, an experiment) a split's rows adjacent.
+#ifndef KDTREE_COMBINE_LSE_SPLIT_MAJOR
+#define KDTREE_COMBINE_LSE_SPLIT_MAJOR 0
+#endif
+__device__ __forceinline__ long long lse_index(const ReqPlan& rp, int heads, int rr, int split) {
+#if KDTREE_COMBINE_LSE_SPLIT_MAJOR
+  if (rr < rp.rows_f) return rp.partial_row + (long long)split * rp.rows_f + rr;
+  const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
+  return base + (long long)split * (rp.n * heads - rp.rows_f) + (rr - rp.rows_f);
+#else
+  return partial_index(rp, heads, rr, split);
+#endif
+}
 // How many splits request-local row rr's keys were cut into (1: its item wrote the output row).
 __device__ __forceinline__ int row_nsplit(const ReqPlan& rp, int rr) { return rr < rp.rows_f ? rp.nsplit : rp.nsplit_s; }
 // The first row of request-local row rr's row tile (a split kernel's tile of block_m rows, or a mixed call's remainder),
@@ -942,7 +955,7 @@ __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[
 
 // The partial log2-sum-exp of tile row r of a split request's item (-inf for a row that saw no key).
 __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemCtx& cx, int H, int r, float m, float l) {
-  prm.partial_lse[partial_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
+  prm.partial_lse[lse_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
 // The partial log2-sum-exps of a split item's rows r0 and r0 + 8 (those inside the tile), by the quad's thread c == 0.
@@ -1456,7 +1469,13 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(prm.tile_done + tile) : "memory");
   }
   const long long prow = partial_index(rp, prm.heads, r, grp);   // the group's first split (the next: kGroups on)
+#if KDTREE_COMBINE_LSE_SPLIT_MAJOR
+  const float* const lse_base = prm.partial_lse;
+  const unsigned li0 = (unsigned)lse_index(rp, prm.heads, r, grp);
+  const unsigned lst = (unsigned)(kGroups * (lse_index(rp, prm.heads, r, 1) - lse_index(rp, prm.heads, r, 0)));
+#else
   const float* lse = prm.partial_lse + prow;
+#endif
   const __nv_bfloat16* src = prm.partial_o + prow * kDimNope + slice * kCols + lcol;
   const int left = nsplit - grp;                       // this group's splits: k * kGroups < left
   // the thread's output pair (the threads 2 * tid < kCols store one each), so that t, h and slice are not kept
@@ -1476,7 +1495,7 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
 #endif
   float m_run = -INFINITY, wsum = 0.f;
   float acc[8] = {};
-  KDTREE_WORK_STAMP_AFTER(w, 4, (unsigned)(uintptr_t)src ^ (unsigned)(uintptr_t)lse);
+  KDTREE_WORK_STAMP_AFTER(w, 4, (unsigned)(uintptr_t)src ^ (unsigned)prow);
   // once for <= 32 << S splits: always, but with 2^3 slices (a row of more than 256 splits)
   constexpr int kBatchSplits = S < 3 ? 1 << 30 : kGroups * kCombineBatch;
   static_assert(S == 3 || kGroups * kCombineBatch >= (4 * kCombineBatch) << S, "one batch takes every split");
@@ -1487,10 +1506,16 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
     for (int k = 0; k < kCombineBatch; ++k) {
       const bool in = base + k * kGroups < left;
       // (from L2: written by other SMs during this kernel when it started early; immediate offsets from one base)
+#if KDTREE_COMBINE_LSE_SPLIT_MAJOR
+      l[k] = in ? __ldcg(lse_base + (li0 + (unsigned)(base / kGroups + k) * lst)) : -INFINITY;
+#else
       l[k] = in ? __ldcg(lse + k * kGroups) : -INFINITY;
+#endif
       v[k] = in ? __ldcg(reinterpret_cast<const uint4*>(src + k * kGroups * kDimNope)) : make_uint4(0, 0, 0, 0);
     }
+#if !KDTREE_COMBINE_LSE_SPLIT_MAJOR
     lse += kCombineBatch * kGroups;
+#endif
     src += kCombineBatch * kGroups * kDimNope;
 #ifdef KDTREE_EXP_TIMELINE
     if (base == 0) {   // the first batch's loads have landed
