@@ -93,15 +93,6 @@ constexpr int kMixedTileN = KDTREE_SKINNY_TILE;
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
-// The combine's work (session 35): KDTREE_COMBINE_LEAN 1 is combine_work (compile-time shapes per slice count, a row's
-// partials split-minor, so that a thread's loads are one base and immediate offsets); 0 the loop before it, with partial
-// rows split-major. The old work took ~4 us at the call's tail, most of it the latency of its ~1,000 dependent
-// instructions (TIMELINE, history 193): 64-bit index divisions, divisions by the run-time slice shape, 64-bit address
-// products per split, three dependent round trips before the tile wait. The same sums in the same order either way
-// (bit-identical output).
-#ifndef KDTREE_COMBINE_LEAN
-#define KDTREE_COMBINE_LEAN 0
-#endif
 // Splits per thread per load batch of the combine (session 7: 8, 64 registers and 4 blocks per SM, was
 // faster than 16 at H128 N9 and B8, the same elsewhere).
 #ifndef KDTREE_COMBINE_BATCH
@@ -395,31 +386,12 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
 }
 
 // Partial row of request-local row rr, split `split` (of the row's own kind: the split kernel's rows [0, rows_f), then
-// the remainder's skinny splits after all of theirs). A row's splits are adjacent (KDTREE_COMBINE_LEAN; else a split's
-// rows are).
+// the remainder's skinny splits after all of theirs). A row's splits are adjacent (session 35; before, a split's rows
+// were), so that a combine thread's loads are one base and immediate offsets.
 __device__ __forceinline__ long long partial_index(const ReqPlan& rp, int heads, int rr, int split) {
-#if KDTREE_COMBINE_LEAN
   if (rr < rp.rows_f) return rp.partial_row + (long long)rr * rp.nsplit + split;
   const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
   return base + (long long)(rr - rp.rows_f) * rp.nsplit_s + split;
-#else
-  if (rr < rp.rows_f) return rp.partial_row + (long long)split * rp.rows_f + rr;
-  const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
-  return base + (long long)split * (rp.n * heads - rp.rows_f) + (rr - rp.rows_f);
-#endif
-}
-// The log-sum-exp's index: the partial row's, or (KDTREE_COMBINE_LSE_SPLIT_MAJOR, an experiment) a split's rows adjacent.
-#ifndef KDTREE_COMBINE_LSE_SPLIT_MAJOR
-#define KDTREE_COMBINE_LSE_SPLIT_MAJOR 0
-#endif
-__device__ __forceinline__ long long lse_index(const ReqPlan& rp, int heads, int rr, int split) {
-#if KDTREE_COMBINE_LSE_SPLIT_MAJOR
-  if (rr < rp.rows_f) return rp.partial_row + (long long)split * rp.rows_f + rr;
-  const long long base = rp.partial_row + (rp.nsplit > 1 ? (long long)rp.nsplit * rp.rows_f : 0);
-  return base + (long long)split * (rp.n * heads - rp.rows_f) + (rr - rp.rows_f);
-#else
-  return partial_index(rp, heads, rr, split);
-#endif
 }
 // How many splits request-local row rr's keys were cut into (1: its item wrote the output row).
 __device__ __forceinline__ int row_nsplit(const ReqPlan& rp, int rr) { return rr < rp.rows_f ? rp.nsplit : rp.nsplit_s; }
@@ -955,7 +927,7 @@ __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[
 
 // The partial log2-sum-exp of tile row r of a split request's item (-inf for a row that saw no key).
 __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemCtx& cx, int H, int r, float m, float l) {
-  prm.partial_lse[lse_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
+  prm.partial_lse[partial_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
 // The partial log2-sum-exps of a split item's rows r0 and r0 + 8 (those inside the tile), by the quad's thread c == 0.
@@ -1446,10 +1418,12 @@ static_assert(combine_slices(4 * kCombineBatch + 1) == 1 << combine_slices_log2(
               "the two forms of the slice count agree");
 
 // One work of the combine: value-column slice `slice` of 2^S of request-local row r (global row gr = t * H + h), its
-// nsplit partials merged in the fixed order of the loop above: every shape of the work (columns, thread groups, the
-// group sums) is a compile-time constant, addresses are a base and a step, and the tile counter's acquire is issued
-// before the addresses are computed.
-#if KDTREE_COMBINE_LEAN
+// nsplit partials merged in a fixed order. Session 35 (history 193-195): every shape of the work (columns, thread
+// groups, the group sums) is a compile-time constant, a thread's loads are one base and immediate offsets (a row's
+// splits adjacent), and the tile counter's acquire is in flight while the addresses are computed. The work before it
+// took ~4 us at the call's tail, most of it the latency of ~1,000 dependent instructions (64-bit index divisions,
+// divisions by the run-time slice shape, a 64-bit address product per split); the sums and their order are the same
+// (bit-identical output on every benchmark shape).
 template <int S>
 __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& rp, int r, int nsplit, int t, int h,
                                              int slice, bool early, int w, float* s_acc, float* s_wsum, float* s_red,
@@ -1469,13 +1443,7 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(prm.tile_done + tile) : "memory");
   }
   const long long prow = partial_index(rp, prm.heads, r, grp);   // the group's first split (the next: kGroups on)
-#if KDTREE_COMBINE_LSE_SPLIT_MAJOR
-  const float* const lse_base = prm.partial_lse;
-  const unsigned li0 = (unsigned)lse_index(rp, prm.heads, r, grp);
-  const unsigned lst = (unsigned)(kGroups * (lse_index(rp, prm.heads, r, 1) - lse_index(rp, prm.heads, r, 0)));
-#else
   const float* lse = prm.partial_lse + prow;
-#endif
   const __nv_bfloat16* src = prm.partial_o + prow * kDimNope + slice * kCols + lcol;
   const int left = nsplit - grp;                       // this group's splits: k * kGroups < left
   // the thread's output pair (the threads 2 * tid < kCols store one each), so that t, h and slice are not kept
@@ -1506,16 +1474,10 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
     for (int k = 0; k < kCombineBatch; ++k) {
       const bool in = base + k * kGroups < left;
       // (from L2: written by other SMs during this kernel when it started early; immediate offsets from one base)
-#if KDTREE_COMBINE_LSE_SPLIT_MAJOR
-      l[k] = in ? __ldcg(lse_base + (li0 + (unsigned)(base / kGroups + k) * lst)) : -INFINITY;
-#else
       l[k] = in ? __ldcg(lse + k * kGroups) : -INFINITY;
-#endif
       v[k] = in ? __ldcg(reinterpret_cast<const uint4*>(src + k * kGroups * kDimNope)) : make_uint4(0, 0, 0, 0);
     }
-#if !KDTREE_COMBINE_LSE_SPLIT_MAJOR
     lse += kCombineBatch * kGroups;
-#endif
     src += kCombineBatch * kGroups * kDimNope;
 #ifdef KDTREE_EXP_TIMELINE
     if (base == 0) {   // the first batch's loads have landed
@@ -1572,8 +1534,7 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
   }
   if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
   KDTREE_WORK_STAMP(w, 3);
-  // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call (as in
-  // the loop above)
+  // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call
   if (early && tid == 0) {
     const long long tl = s_tile[0];
     if (atomicAdd(prm.tile_seen + tl, 1) == s_tile[1] - 1) {
@@ -1582,7 +1543,6 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
     }
   }
 }
-#endif
 
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_verify_combine_kernel(Params prm) {
   __shared__ float s_acc[kCombineAcc];
@@ -1611,7 +1571,6 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   // work w = (column slice, global row), slice-major: a grid of about one wave strides over them, the
   // works in use (slice < the row's slice count) come first, and the slices a row does not use cost
   // a skipped iteration, not a launched block
-#if KDTREE_COMBINE_LEAN
   // 32-bit: the host bounds rows * kCombineMaxSlices (and so every w of the loop) below 2^30
   const unsigned rows = (unsigned)prm.num_tokens * (unsigned)prm.heads;
   for (unsigned w = blockIdx.x;; w += gridDim.x) {   // block-uniform
@@ -1636,123 +1595,6 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
       default: combine_work<3>(prm, rp, r, nsplit, t, h, (int)slice, early, (int)w, s_acc, s_wsum, s_red, s_tile); break;
     }
   }
-#else
-  const long long rows = (long long)prm.num_tokens * prm.heads;
-  const long long works = rows * prm.counter[2];   // counter[2]: the largest slice count of any row
-  for (long long w = blockIdx.x; w < works; w += gridDim.x) {   // block-uniform
-    const int slice = (int)(w / rows);
-    const int gr = (int)(w - slice * rows);   // global row = t * H + h
-    const int t = gr / prm.heads, h = gr - t * prm.heads;
-    const ReqPlan rp = prm.plan[owning_request(prm.batch, t, [&](int b) { return prm.plan[b].qo_begin; })];
-    if (t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;                      // block-uniform
-    const int r = (t - rp.qo_begin) * prm.heads + h;
-    const int nsplit = row_nsplit(rp, r);   // the row's own kind: split kernel rows or a skinny remainder's
-    if (nsplit <= 1) continue;                                                      // block-uniform
-    const int slices = combine_slices(nsplit);
-    if (slice >= slices) continue;                                                  // block-uniform
-    KDTREE_WORK_STAMP(w, 0);
-    if (early) {   // the row tile's split items have all stored their partials
-      if (tid == 0) {
-        s_tile[0] = wait_tile_done(prm, rp, r, nsplit);
-        s_tile[1] = tile_works(prm, rp, r, slices);   // (for the end of the work, kept out of registers)
-      }
-      __syncthreads();
-    }
-    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
-    KDTREE_WORK_STAMP(w, 1);
-#ifdef KDTREE_EXP_TIMELINE
-    if (tid == 0 && w < kStampWorks) g_work_tile[w] = early ? s_tile[0] : -1;
-#endif
-    const int cols = kDimNope / slices;       // value columns of this block
-    const int lanes = cols / 8;               // threads per split row (8 columns each)
-    const int groups = kCombineThreads / lanes;
-    const int grp = tid / lanes;
-    const int lcol = (tid % lanes) * 8;       // within the slice
-    const int col0 = slice * cols;
-    const long long prow0 = partial_index(rp, prm.heads, r, 0);
-    const long long rstride = partial_index(rp, prm.heads, r, 1) - prow0;   // partial rows per split (the row's kind)
-    const float* lse = prm.partial_lse + prow0;
-    const __nv_bfloat16* src = prm.partial_o + prow0 * kDimNope + col0 + lcol;
-    // the group's splits grp, grp + groups, ...: weights 2^(lse - m_run) against the running maximum
-    float m_run = -INFINITY, wsum = 0.f;
-    float acc[8] = {};
-    KDTREE_WORK_STAMP_AFTER(w, 4, (unsigned)(uintptr_t)src ^ (unsigned)(uintptr_t)lse);
-    for (int base = grp; base < nsplit; base += groups * kCombineBatch) {   // once for <= 256 splits
-      float l[kCombineBatch];
-      uint4 v[kCombineBatch];
-#pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) {
-        const int sp = base + k * groups;
-        // (from L2: written by other SMs during this kernel when it started early)
-        l[k] = sp < nsplit ? __ldcg(lse + sp * rstride) : -INFINITY;
-        v[k] = sp < nsplit ? __ldcg(reinterpret_cast<const uint4*>(src + (long long)sp * rstride * kDimNope))
-                           : make_uint4(0, 0, 0, 0);
-      }
-#ifdef KDTREE_EXP_TIMELINE
-      if (base == grp) {   // the first batch's loads have landed
-        unsigned dep = 0;
-#pragma unroll
-        for (int k = 0; k < kCombineBatch; ++k) dep ^= __float_as_uint(l[k]) ^ v[k].w;
-        KDTREE_WORK_STAMP_AFTER(w, 5, dep);
-      }
-#endif
-      float m_new = m_run;
-#pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
-      if (m_new == -INFINITY) continue;   // nothing visible yet (group-uniform)
-      const float sc = exp2f(m_run - m_new);   // 0 on the first visible batch (acc and wsum are 0 then)
-      wsum *= sc;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] *= sc;
-#pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) {
-        const float wk = exp2f(l[k] - m_new);
-        wsum += wk;
-        const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(pv[q]);
-          acc[2 * q] += wk * f.x;
-          acc[2 * q + 1] += wk * f.y;
-        }
-      }
-      m_run = m_new;
-    }
-    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(1);
-    KDTREE_WORK_STAMP(w, 2);
-    // to the block maximum, then the groups' sums in a fixed order
-    const float m_blk = combine_block_max(m_run, s_red);
-    const float sc = m_run == -INFINITY ? 0.f : exp2f(m_run - m_blk);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s_acc[grp * cols + lcol + i] = acc[i] * sc;
-    if (lcol == 0) s_wsum[grp] = wsum * sc;
-    __syncthreads();
-    float wtot = 0.f;
-    for (int q = 0; q < groups; ++q) wtot += s_wsum[q];
-    const float inv = wtot > 0.f ? 1.f / wtot : 0.f;
-    for (int c = 2 * tid; c < cols; c += 2 * kCombineThreads) {   // one bf16 pair per step, groups in fixed order
-      float v0 = 0.f, v1 = 0.f;
-      for (int q = 0; q < groups; ++q) {
-        v0 += s_acc[q * cols + c];
-        v1 += s_acc[q * cols + c + 1];
-      }
-      *reinterpret_cast<uint32_t*>(prm.out + (long long)t * prm.out_st + (long long)h * prm.out_sh + col0 + c) =
-          pack_bf16(v0 * inv, v1 * inv);
-    }
-    if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(2);
-    KDTREE_WORK_STAMP(w, 3);
-    // the work counts itself among its tile's, and the tile's last work zeroes both counters for the next call: no
-    // split item adds to them any more, and every other work of the tile has passed its wait (thread 0, which wrote
-    // s_tile: after its stores, so that the round trip delays only its own warp's next wait)
-    if (early && tid == 0) {
-      const long long tile = s_tile[0];
-      if (atomicAdd(prm.tile_seen + tile, 1) == s_tile[1] - 1) {
-        prm.tile_done[tile] = 0;
-        prm.tile_seen[tile] = 0;
-      }
-    }
-  }
-#endif
   if (early) {
     grid_dependency_wait();   // the split pass's completion (this kernel's then implies it)
     reset_work_counters();
