@@ -162,6 +162,10 @@ def attempt(key, fn, *a, **kw):
 attempt("workspace_size", v.workspace_size, 1, 9, 16)
 attempt("launch", v.launch, **args)
 attempt("launch_null", v.launch, **dict(args, q_nope=0))
+# rows x the combine's 8 column slices must stay below 2^30 (its 32-bit work indices): 2^23 tokens x 16 heads is the
+# first size refused, one token fewer passes validation (and then finds no GPU)
+attempt("launch_rows_limit", v.launch, **dict(args, num_tokens=1 << 23))
+attempt("launch_rows_below", v.launch, **dict(args, num_tokens=(1 << 23) - 1))
 attempt("pack", v.pack_tree_mask, custom_mask=args["q_nope"], mask_indptr=args["kv_indptr"],
         qo_indptr=args["qo_indptr"], qo_indptr_dtype=0, kv_indptr=args["kv_indptr"], batch_size=1,
         num_tokens=1, out=args["out"], out_words=1, stream=0)
@@ -187,6 +191,8 @@ def test_without_a_gpu_calls_raise_kdtree_error():
     assert result["launch"][:2] == ["KdtreeError", no_device], result
     assert result["launch_null"][0] == "KdtreeError" and result["launch_null"][1] in (null_pointer, no_device), result
     assert result["pack"][:2] == ["KdtreeError", no_device], result
+    assert result["launch_rows_limit"][:2] == ["KdtreeError", _header_status_codes()["KDTREE_ERR_OVERFLOW"]], result
+    assert result["launch_rows_below"][:2] == ["KdtreeError", no_device], result
     assert result["split_kernel"][:2] == ["KdtreeError", no_device], result
     assert result["call_kernel"][:2] == ["KdtreeError", no_device], result
     # the sizes are checked before the device is looked at, as kdtree_verify_launch checks them
