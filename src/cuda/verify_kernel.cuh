@@ -1359,7 +1359,8 @@ constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
 // Blocks per SM the combine asks for (registers: <= 64 / 80 / 128): 4 with batch 8 on sm_90 (as
-// measured), 3 on sm_120, where 64 registers spill (ptxas, CUDA 13.0), 2 with batch 16.
+// measured), 3 on sm_120 (where the work before session 35 spilled at 64 registers; today's takes 72 there and would
+// fit 64, but 4 blocks an SM have not been measured on an sm_120 GPU), 2 with batch 16.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 3 : 2;
 #else
