@@ -100,10 +100,12 @@ constexpr int kCombineMaxSlices = 8;
 #endif
 constexpr int kCombineBatch = KDTREE_COMBINE_BATCH;
 static_assert(kCombineBatch == 8 || kCombineBatch == 16, "combine batch 8 or 16");
-// A slice has 4 x slices thread groups, so one load batch covers 4 x kCombineBatch splits per slice.
-__host__ __device__ constexpr int combine_slices(int nsplit) {
-  return nsplit <= 4 * kCombineBatch ? 1 : nsplit <= 8 * kCombineBatch ? 2 : nsplit <= 16 * kCombineBatch ? 4 : 8;
+// A slice has 4 x slices thread groups, so one load batch covers 4 x kCombineBatch splits per slice; the count is a power
+// of two (the combine compiles one work per log2).
+__host__ __device__ constexpr int combine_slices_log2(int nsplit) {
+  return nsplit <= 4 * kCombineBatch ? 0 : nsplit <= 8 * kCombineBatch ? 1 : nsplit <= 16 * kCombineBatch ? 2 : 3;
 }
+__host__ __device__ constexpr int combine_slices(int nsplit) { return 1 << combine_slices_log2(nsplit); }
 
 // Named barriers (0 is __syncthreads): the whole block; "P of buffer b is ready" (score warps
 // arrive, value warps wait); "P of buffer b is free again" (value warps arrive, score warps wait);
@@ -1381,42 +1383,30 @@ __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
 }
 
 // A combine work of request-local row r (nsplit splits) waits, in one thread, until every split item of the row's tile
-// has stored its partials (acquire: the block barrier after it orders the block's loads of them); returns the tile's
-// counter index. A wait that outlasts kDoneWaitNs can only be a broken count: it traps (a launch error) rather than
-// hang the GPU.
+// has stored its partials (acquire: the block barrier after it orders the block's loads of them). A wait that outlasts
+// kDoneWaitNs can only be a broken count: it traps (a launch error) rather than hang the GPU.
 constexpr unsigned long long kDoneWaitNs = 30ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int n;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
+  return n;
+}
 // Spins (acquire) until counter *done reaches target.
 __device__ __forceinline__ void spin_until_done(const int* done, int target) {
   const unsigned long long t0 = global_ns();
   int n;
   do {
     __nanosleep(128);
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
+    n = ld_acquire_gpu(done);
     if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
   } while (n < target);
 }
-__device__ __forceinline__ long long wait_tile_done(const Params& prm, const ReqPlan& rp, int r, int nsplit) {
-  const long long i = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
-  const int target = nsplit * prm.done_arrivals;
-  const int* done = prm.tile_done + i;
-  int n;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done) : "memory");
-  if (n < target) spin_until_done(done, target);
-  return i;
-}
-// The works of row r's tile: its rows times the slices of each (every one passes wait_tile_done once per call).
+// The works of row r's tile: its rows times the slices of each (every one passes its tile wait once per call).
 __device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, int r, int slices) {
   const int row0 = tile_row0(rp, prm.block_m, r);
   const int rows = row0 < rp.rows_f ? min(prm.block_m, rp.rows_f - row0) : rp.n * prm.heads - rp.rows_f;
   return rows * slices;
 }
-
-__host__ __device__ constexpr int combine_slices_log2(int nsplit) {
-  return nsplit <= 4 * kCombineBatch ? 0 : nsplit <= 8 * kCombineBatch ? 1 : nsplit <= 16 * kCombineBatch ? 2 : 3;
-}
-static_assert(combine_slices(4 * kCombineBatch + 1) == 1 << combine_slices_log2(4 * kCombineBatch + 1) &&
-              combine_slices(16 * kCombineBatch + 1) == 1 << combine_slices_log2(16 * kCombineBatch + 1),
-              "the two forms of the slice count agree");
 
 // One work of the combine: value-column slice `slice` of 2^S of request-local row r (global row gr = t * H + h), its
 // nsplit partials merged in a fixed order. Session 35 (history 193-195): every shape of the work (columns, thread
@@ -1441,7 +1431,7 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
   if (early && tid == 0) {
     tile = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
     target = nsplit * prm.done_arrivals;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(prm.tile_done + tile) : "memory");
+    seen = ld_acquire_gpu(prm.tile_done + tile);
   }
   const long long prow = partial_index(rp, prm.heads, r, grp);   // the group's first split (the next: kGroups on)
   const float* lse = prm.partial_lse + prow;
