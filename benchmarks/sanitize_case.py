@@ -2,7 +2,9 @@
 `many` (24 requests, more work items than SMs: blocks run several items, some split, back to back); `reuse`:
 the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q); `n1`: the
 split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape);
-`pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks).
+`pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks);
+`balanced`: H128 N9, two requests of 18 row tiles whose split rule adds a short split on 132 SMs (8 splits, 9,216
+partial rows each: above 132 x 64, the workspace's bound before session 36).
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small
@@ -19,9 +21,10 @@ from kdtree.synthetic import make_verify_batch
 case = sys.argv[1] if len(sys.argv) > 1 else "small"
 many = [300 + 53 * i for i in range(24)]
 prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, "n1": [3000, 70],
-            "pack": [3000, 70]}[case]
+            "pack": [3000, 70], "balanced": [6000, 6100]}[case]
 n = 1 if case == "n1" else 9
-b = make_verify_batch(prefixes, 16, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1)
+heads = 128 if case == "balanced" else 16
+b = make_verify_batch(prefixes, heads, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1)
 args = b.verify_args()
 ok = True
 calls = 2 if case == "reuse" else 1

@@ -16,14 +16,29 @@ import heapq
 RAGGED = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]   # bench.py's "B8 ragged 4k..64k"
 
 
-def request_items(p, n=9, heads=16, block_m=64, tile_n=32, sms=132, min_chunk=256):
-    """Tiles of each work item of one request, as verify_kernel.cuh's request_plan splits it."""
+def split_shape(length, mtiles, blocks, tile_n=32, min_chunk=256, balance=True, item_tiles=4):
+    """(nsplit, chunk) of one request: src/cuda/verify_split_rule.h's split_shape, line for line."""
+    nsplit = max(1, min(-(-length // min_chunk), max(1, blocks // mtiles))) if mtiles > 0 else 1
+    chunk = max(tile_n, -(-(-(-length // nsplit)) // tile_n) * tile_n)
+    nsplit = -(-length // chunk) if length > 0 else 1
+    idle = blocks - nsplit * mtiles
+    if balance and mtiles >= 2 and chunk > min_chunk and idle > 0:
+        e, tiles = item_tiles, -(-length // tile_n)
+        r = -(-mtiles // idle)
+        c = max(-(-(r * tiles + (r - 1) * e) // (1 + r * nsplit)), min_chunk // tile_n)
+        if c * nsplit < tiles:
+            s = tiles - c * nsplit
+            if max(c + e, r * (s + e)) < chunk // tile_n + e:
+                chunk = c * tile_n
+                nsplit = -(-length // chunk)
+    return nsplit, chunk
+
+
+def request_items(p, n=9, heads=16, block_m=64, tile_n=32, sms=132, min_chunk=256, balance=False):
+    """Tiles of each work item of one request, split-major as the split kernels number them (item_ctx)."""
     length, rows = p + n, n * heads
     mtiles = (rows + block_m - 1) // block_m
-    nsplit = max(1, min((length + min_chunk - 1) // min_chunk, max(1, sms // mtiles)))
-    chunk = (length + nsplit - 1) // nsplit
-    chunk = max(tile_n, (chunk + tile_n - 1) // tile_n * tile_n)
-    nsplit = (length + chunk - 1) // chunk
+    nsplit, chunk = split_shape(length, mtiles, sms, tile_n, min_chunk, balance)
     items = []
     for s in range(nsplit):
         k0, k1 = s * chunk, min(length, (s + 1) * chunk)
@@ -78,13 +93,30 @@ def claim_late(items, sms, per_tile, start_first, start_chained, lead_tiles):
     return end
 
 
+# bench.py's shapes whose row tiles do not divide 132 (the split rule's balance changes their plan), as (heads, n, prefix)
+UNEVEN = [(128, 9, 32768), (32, 9, 131072), (16, 33, 131072), (16, 65, 131072)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-tile-us", type=float, default=1.67)   # B8's rate (ncu, session 10)
     ap.add_argument("--start-us", type=float, default=5.0)       # an item's start (trace, session 10)
     ap.add_argument("--chained-start-us", type=float, default=1.0)
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--shapes", action="store_true",
+                    help="the split rule with and without its balance on UNEVEN (makespan in tiles, claim at end)")
     a = ap.parse_args()
+    if a.shapes:
+        e = 4   # the rule's own item cost (KDTREE_PLAN_ITEM_TILES)
+        for heads, n, p in UNEVEN:
+            line = f"H{heads} N{n} P{p}:"
+            for bal in (False, True):
+                items = request_items(p, n=n, heads=heads, sms=a.sms, balance=bal)
+                mt = -(-heads * n // 64)
+                line += (f"  {'balanced' if bal else 'base'} {len(items) // mt} splits x {mt} tiles,"
+                         f" longest {max(items)}, makespan {claim_at_end(items, a.sms, 1.0, e):.0f}")
+            print(line)
+        return
     by_request = [request_items(p, sms=a.sms) for p in RAGGED]
     items = [t for r in by_request for t in r]
     longest_first = [t for r in sorted(by_request, key=lambda r: -max(r)) for t in r]

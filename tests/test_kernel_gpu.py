@@ -72,6 +72,20 @@ def test_long_prefix_split_k():
     _check(out, args)
 
 
+@pytest.mark.parametrize("prefixes, heads, tokens", [
+    ([6000, 6100], 128, 9),   # 18 row tiles: 8 splits each, 9,216 partial rows a request (above 132 x 64)
+    ([2000], 16, 65),         # 17 row tiles
+    ([10000], 16, 33),        # 9
+    ([20000], 32, 9),         # 5
+])
+def test_balanced_splits(prefixes, heads, tokens):
+    # row-tile counts that do not divide 132 SMs: the split rule adds a split with a short last chunk
+    # (verify_split_rule.h); on a 132-SM GPU every request here is planned that way (tests/test_split_rule.py's model)
+    batch = make_verify_batch(prefixes, heads, tokens, kind="tree", pad=1, device="cuda", seed=sum(prefixes) + heads)
+    out, args = _run(batch)
+    _check(out, args)
+
+
 @pytest.mark.parametrize("prefix", [20000, 50000, 70000])
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_combine_column_slices(prefix, tokens):

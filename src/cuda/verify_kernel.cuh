@@ -31,6 +31,7 @@
 #endif
 
 #include "kdtree_verify.h"
+#include "verify_split_rule.h"
 
 namespace kdtree {
 
@@ -363,15 +364,9 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
     rp.mtiles = r / prm.block_m;
     rp.rows_f = rp.mtiles * prm.block_m;
   }
-  int nsplit = 1;
-  if (rp.mtiles > 0) {
-    const int by_len = (len + kMinChunk - 1) / kMinChunk;
-    const int by_fill = max(1, prm.split_target / rp.mtiles);
-    nsplit = max(1, min(by_len, by_fill));
-  }
-  int chunk = (len + nsplit - 1) / max(nsplit, 1);
-  chunk = max(prm.tile_n, (chunk + prm.tile_n - 1) / prm.tile_n * prm.tile_n);
-  nsplit = len > 0 ? (len + chunk - 1) / chunk : 1;
+  const SplitShape sh = split_shape(len, rp.mtiles, prm.split_target, prm.tile_n, kMinChunk);
+  const int nsplit = sh.nsplit;
+  const int chunk = sh.chunk;
   rp.nsplit = nsplit;
   rp.chunk = chunk;
   items = rp.mtiles * nsplit;

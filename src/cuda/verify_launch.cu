@@ -82,15 +82,15 @@ struct Layout {
   long long max_partial_rows;
 };
 
-// A request with nsplit > 1 has nsplit <= split_target / mtiles, so it owns at most
-// split_target * block_m partial rows (block_m of whichever split kernel runs, at most 64);
-// a row needs at most split_target partials.
+// A request with nsplit > 1 has nsplit <= split_target / mtiles, or one more where the split rule balances its items
+// (verify_split_rule.h), so it owns at most split_target * block_m partial rows (block_m of whichever split kernel runs,
+// at most 64) plus its own rows; a row needs at most split_target partials (mtiles >= 2 where a split is added).
 constexpr int kMaxBlockM = kdtree::kBlockM > kdtree::wg::kBlockM ? kdtree::kBlockM : kdtree::wg::kBlockM;
 static_assert(kdtree::sk::kRows <= kMaxBlockM && kdtree::tr::kRows <= kMaxBlockM,
               "every split kernel's items fit the partials' sizing");
 Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
   Layout l;
-  const long long by_batch = (long long)batch * split_target * kMaxBlockM;
+  const long long by_batch = (long long)batch * split_target * kMaxBlockM + (long long)num_tokens * heads;
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
