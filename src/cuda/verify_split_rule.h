@@ -14,8 +14,12 @@
 
 namespace kdtree {
 
-#ifndef KDTREE_PLAN_BALANCE   // 0: the split rule of sessions 1-35 (every split of a request equal but the last)
-#define KDTREE_PLAN_BALANCE 0
+// KDTREE_PLAN_BALANCE (session 36, the default; 0: the rule of sessions 1-35, every split of a request equal but the
+// last). Measured (H200, A/B within one run, means of three, PERF_LOG history 197): H16 N65 P131072 -3.6% (601.6
+// against 624.1 us), H16 N33 -2.3%, H128 N9 P32768 -2.2% (167.0 against 170.8), H32 N9 -0.9%; the model below
+// predicted -6.6 / -3.4 / -4.0 / -1.2%. Every other benchmark shape has the same plan and bit-identical outputs.
+#ifndef KDTREE_PLAN_BALANCE
+#define KDTREE_PLAN_BALANCE 1
 #endif
 // What an item costs beyond its key tiles, in tiles: its start (q and the first tiles land, ~2,400-4,000 SM clocks in
 // the dual kernel's traces, PERF_LOG history 133-136) and its end (the partials' store, ~3,550), against ~1,760 clocks
