@@ -33,6 +33,7 @@ struct SplitShape {
   int chunk;    // keys per split (a multiple of tile_n); the last split may be shorter
 };
 
+KDTREE_HD inline int split_ceil_div(int a, int b) { return (a + b - 1) / b; }   // (32-bit: the base rule, every call)
 KDTREE_HD inline long long split_ceil_div(long long a, long long b) { return (a + b - 1) / b; }
 
 // The splits of a request of `len` keys (prefix + drafts) and `mtiles` row tiles, for a grid of `blocks` persistent
@@ -50,23 +51,23 @@ KDTREE_HD inline SplitShape split_shape(int len, int mtiles, int blocks, int til
   SplitShape sh;
   int nsplit = 1;
   if (mtiles > 0) {
-    const int by_len = (int)split_ceil_div(len, min_chunk);
+    const int by_len = split_ceil_div(len, min_chunk);
     const int by_fill = blocks / mtiles > 1 ? blocks / mtiles : 1;
     nsplit = by_len < by_fill ? by_len : by_fill;
     if (nsplit < 1) nsplit = 1;
   }
-  int chunk = (int)split_ceil_div(len, nsplit);
-  chunk = (int)split_ceil_div(chunk, tile_n) * tile_n;
+  int chunk = split_ceil_div(len, nsplit);
+  chunk = split_ceil_div(chunk, tile_n) * tile_n;
   if (chunk < tile_n) chunk = tile_n;
-  nsplit = len > 0 ? (int)split_ceil_div(len, chunk) : 1;
+  nsplit = len > 0 ? split_ceil_div(len, chunk) : 1;
 #if KDTREE_PLAN_BALANCE
   // (a chunk of min_chunk keys cannot get shorter: skipped before the 64-bit divisions, so that the plan kernel, on
   // every call's path, pays for them only on long requests with idle blocks)
   const long long idle = (long long)blocks - (long long)nsplit * mtiles;
   if (mtiles >= 2 && chunk > min_chunk && idle > 0) {
     const long long e = KDTREE_PLAN_ITEM_TILES;
-    const long long tiles = split_ceil_div(len, tile_n);
-    const long long r = split_ceil_div(mtiles, idle);   // short items per idle block
+    const long long tiles = split_ceil_div((long long)len, (long long)tile_n);
+    const long long r = split_ceil_div((long long)mtiles, idle);   // short items per idle block
     long long c = split_ceil_div(r * tiles + (r - 1) * e, 1 + r * nsplit);
     if (c < min_chunk / tile_n) c = min_chunk / tile_n;
     if (c * nsplit < tiles) {   // a short last split is left (so ceil(len / chunk) is nsplit + 1)
@@ -74,7 +75,7 @@ KDTREE_HD inline SplitShape split_shape(int len, int mtiles, int blocks, int til
       const long long balanced = c + e > r * (s + e) ? c + e : r * (s + e);
       if (balanced < chunk / tile_n + e) {
         chunk = (int)(c * tile_n);
-        nsplit = (int)split_ceil_div(len, chunk);
+        nsplit = split_ceil_div(len, chunk);
       }
     }
   }
