@@ -127,3 +127,15 @@ def test_uneven_benchmark_shapes(heads, n, prefix, splits, makespan):
         got_splits.append(plan[0])
         got_span.append(round(sim.claim_at_end(_items(prefix + n, mtiles, plan, 32), 132, 1.0, ITEM_TILES)))
     assert tuple(got_splits) == splits and tuple(got_span) == makespan
+
+
+@pytest.mark.parametrize("prefixes, heads, n", [([6000, 6100], 128, 9), ([2000], 16, 65), ([10000], 16, 33),
+                                                ([20000], 32, 9)])
+def test_the_gpu_tests_balanced_shapes_are_balanced(prefixes, heads, n):
+    # tests/test_kernel_gpu.py's test_balanced_splits runs these to exercise the added split on a 132-SM GPU
+    mtiles = -(-heads * n // 64)
+    for p in prefixes:
+        base = sim.split_shape(p + n, mtiles, 132, balance=False)
+        assert sim.split_shape(p + n, mtiles, 132, balance=True)[0] == base[0] + 1
+    if heads == 128:   # above the workspace's bound before session 36 (132 x 64 partial rows a request)
+        assert (sim.split_shape(prefixes[0] + n, mtiles, 132)[0]) * heads * n > 132 * 64
