@@ -16,28 +16,35 @@ import heapq
 RAGGED = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]   # bench.py's "B8 ragged 4k..64k"
 
 
-def split_shape(length, mtiles, blocks, tile_n=32, min_chunk=256, balance=True, item_tiles=4):
+ITEM_TILES = 4   # the split rule's item cost in tiles (verify_split_rule.h, KDTREE_PLAN_ITEM_TILES)
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def split_shape(length, mtiles, blocks, tile_n=32, min_chunk=256, balance=True, item_tiles=ITEM_TILES):
     """(nsplit, chunk) of one request: src/cuda/verify_split_rule.h's split_shape, line for line."""
-    nsplit = max(1, min(-(-length // min_chunk), max(1, blocks // mtiles))) if mtiles > 0 else 1
-    chunk = max(tile_n, -(-(-(-length // nsplit)) // tile_n) * tile_n)
-    nsplit = -(-length // chunk) if length > 0 else 1
+    nsplit = max(1, min(ceil_div(length, min_chunk), max(1, blocks // mtiles))) if mtiles > 0 else 1
+    chunk = max(tile_n, ceil_div(ceil_div(length, nsplit), tile_n) * tile_n)
+    nsplit = ceil_div(length, chunk) if length > 0 else 1
     idle = blocks - nsplit * mtiles
     if balance and mtiles >= 2 and chunk > min_chunk and idle > 0:
-        e, tiles = item_tiles, -(-length // tile_n)
-        r = -(-mtiles // idle)
-        c = max(-(-(r * tiles + (r - 1) * e) // (1 + r * nsplit)), min_chunk // tile_n)
+        e, tiles = item_tiles, ceil_div(length, tile_n)
+        r = ceil_div(mtiles, idle)
+        c = max(ceil_div(r * tiles + (r - 1) * e, 1 + r * nsplit), min_chunk // tile_n)
         if c * nsplit < tiles:
             s = tiles - c * nsplit
             if max(c + e, r * (s + e)) < chunk // tile_n + e:
                 chunk = c * tile_n
-                nsplit = -(-length // chunk)
+                nsplit = ceil_div(length, chunk)
     return nsplit, chunk
 
 
 def request_items(p, n=9, heads=16, block_m=64, tile_n=32, sms=132, min_chunk=256, balance=False):
     """Tiles of each work item of one request, split-major as the split kernels number them (item_ctx)."""
     length, rows = p + n, n * heads
-    mtiles = (rows + block_m - 1) // block_m
+    mtiles = ceil_div(rows, block_m)
     nsplit, chunk = split_shape(length, mtiles, sms, tile_n, min_chunk, balance)
     items = []
     for s in range(nsplit):
@@ -107,14 +114,13 @@ def main():
                     help="the split rule with and without its balance on UNEVEN (makespan in tiles, claim at end)")
     a = ap.parse_args()
     if a.shapes:
-        e = 4   # the rule's own item cost (KDTREE_PLAN_ITEM_TILES)
         for heads, n, p in UNEVEN:
             line = f"H{heads} N{n} P{p}:"
+            mt = ceil_div(heads * n, 64)
             for bal in (False, True):
                 items = request_items(p, n=n, heads=heads, sms=a.sms, balance=bal)
-                mt = -(-heads * n // 64)
                 line += (f"  {'balanced' if bal else 'base'} {len(items) // mt} splits x {mt} tiles,"
-                         f" longest {max(items)}, makespan {claim_at_end(items, a.sms, 1.0, e):.0f}")
+                         f" longest {max(items)}, makespan {claim_at_end(items, a.sms, 1.0, ITEM_TILES):.0f}")
             print(line)
         return
     by_request = [request_items(p, sms=a.sms) for p in RAGGED]

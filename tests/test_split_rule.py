@@ -20,7 +20,7 @@ _spec = importlib.util.spec_from_file_location("sim_schedule", ROOT / "benchmark
 sim = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sim)
 
-ITEM_TILES = 4   # KDTREE_PLAN_ITEM_TILES's default
+ITEM_TILES = sim.ITEM_TILES   # KDTREE_PLAN_ITEM_TILES's default (the header test below fails if the two disagree)
 
 _DRIVER = r"""
 #include <cstdio>
@@ -83,7 +83,7 @@ def test_header_matches_the_python_mirror(compiled, balance):
 def _items(length, mtiles, plan, tile_n):
     nsplit, chunk = plan
     assert (nsplit - 1) * chunk < length <= nsplit * chunk or (length == 0 and nsplit == 1)
-    tiles = [-(-(min(length, (s + 1) * chunk) - s * chunk) // tile_n) for s in range(nsplit)]
+    tiles = [sim.ceil_div(min(length, (s + 1) * chunk) - s * chunk, tile_n) for s in range(nsplit)]
     return [t for t in tiles for _ in range(mtiles)]   # split-major, as item_ctx numbers them
 
 
@@ -120,7 +120,7 @@ def test_unchanged_where_the_row_tiles_divide_the_grid():
     (16, 65, 131072, (7, 8), (590, 551)),
 ])
 def test_uneven_benchmark_shapes(heads, n, prefix, splits, makespan):
-    mtiles = -(-heads * n // 64)
+    mtiles = sim.ceil_div(heads * n, 64)
     got_splits, got_span = [], []
     for bal in (False, True):
         plan = sim.split_shape(prefix + n, mtiles, 132, balance=bal)
@@ -133,7 +133,7 @@ def test_uneven_benchmark_shapes(heads, n, prefix, splits, makespan):
                                                 ([20000], 32, 9)])
 def test_the_gpu_tests_balanced_shapes_are_balanced(prefixes, heads, n):
     # tests/test_kernel_gpu.py's test_balanced_splits runs these to exercise the added split on a 132-SM GPU
-    mtiles = -(-heads * n // 64)
+    mtiles = sim.ceil_div(heads * n, 64)
     for p in prefixes:
         base = sim.split_shape(p + n, mtiles, 132, balance=False)
         assert sim.split_shape(p + n, mtiles, 132, balance=True)[0] == base[0] + 1
