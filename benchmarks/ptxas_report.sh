@@ -52,6 +52,6 @@ echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (slo
 echo "the dual kernel's pair and srefill instantiations only under KDTREE_SPLIT_KERNEL=pair / srefill (slower, session 16),"
 echo "the seesaw kernel (two warpgroups, 255 registers each at most: no setmaxnreg) only under KDTREE_SPLIT_KERNEL=seesaw (session 24)."
 echo "kdtree_verify_split_dual_kernel<default>'s 96 registers are its launch allocation (640 threads: a producer warpgroup beside the two score and two value ones,"
-echo "KDTREE_DUAL_PRODUCER, session 25); setmaxnreg then gives its producer 32, its score warpgroups 64 (16 scores, no q in registers: KDTREE_DUAL_QREG 0) and its value"
+echo "KDTREE_DUAL_PRODUCER, session 25); setmaxnreg then gives its producer 48, its score warpgroups 56 (since session 28; 16 scores, no q in registers: KDTREE_DUAL_QREG 0) and its value"
 echo "warpgroups 160 (ptxas checks each region: no spills). Its pair and srefill instantiations keep 512 threads at 128, then 96 / 160 (verify_dual.cuh); the"
 echo "trans kernel's 128 likewise, then 144 / 160 / 160 / 48 (score, value, value, producer: verify_trans.cuh)."
