@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A/B of compile-time variants against the default build, on a GPU machine (no network), logs under $OUT.
-#   KDTREE_AB_VARIANTS="KDTREE_DUAL_S_SERIAL=0 KDTREE_WG_Q_FIRST=4" bash benchmarks/ab_variants.sh
+#   KDTREE_AB_VARIANTS="KDTREE_DUAL_LAZY_RESCALE=0 KDTREE_MIN_CHUNK=192" bash benchmarks/ab_variants.sh
 # Each variant is one or more macro definitions joined by "+" (e.g. "KDTREE_A=1+KDTREE_B=2"); a part ENV:NAME=VALUE is
 # an environment variable set for that variant's tests and runs only, not a macro (e.g.
-# "KDTREE_X=1+ENV:KDTREE_SPLIT_KERNEL=pair"). The script
+# "KDTREE_X=1+ENV:KDTREE_MIXED=1"). The script
 # - builds the default (ci/build_gpu.sh, installed) and every variant (pip --target /tmp/kd_ab<i>, its own build tree)
 #   side by side;
 # - runs the kernel's GPU tests on every variant (KDTREE_AB_TESTS=0 skips them), in parallel;

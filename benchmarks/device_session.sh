@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
 #   bash benchmarks/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
-#   [trans]
-# (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer;
-#  trans: the trans kernel's tests, sanitizers and benchmark against the default kernels, PERF_LOG history 102-105)
-# (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, wgmma, pingpong, skinny
-#  and trans for every call, the dual for small calls)
+# (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
+# (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, the skinny kernel for every
+#  call, the mixed path, the dual kernel for small calls)
 # Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
 # carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
 # The device tool brings back only a handful of files from $OUT (session 14: 8 came back, the rest were "left out"), so
@@ -45,43 +43,17 @@ if has bench; then
     KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang $( has quick && echo --quick ) --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"
   fi
 fi
-if has mmatests; then   # the kernel tests on the other code paths (mma.sync: the sm_120 one and the 3-stage one; pingpong)
+if has mmatests; then   # the kernel tests on the other code paths (mma.sync: the sm_120 one and the 3-stage one)
   log "kernel tests, KDTREE_SPLIT_STAGES=2 (the sm_120 pipeline)"
   KDTREE_SPLIT_STAGES=2 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=mma (mma.sync, 3 stages)"
   KDTREE_SPLIT_KERNEL=mma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
-  log "kernel tests, KDTREE_SPLIT_KERNEL=wgmma (sm_90a, one score warpgroup)"
-  KDTREE_SPLIT_KERNEL=wgmma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
-  log "kernel tests, KDTREE_SPLIT_KERNEL=pingpong (sm_90a, two symmetric warpgroups)"
-  KDTREE_SPLIT_KERNEL=pingpong python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=skinny (sm_90a, 16-row items, for every call)"
   KDTREE_SPLIT_KERNEL=skinny python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
-  log "kernel tests, KDTREE_SPLIT_KERNEL=trans (sm_90a, 48-row items, keys as the wgmma M, for every call)"
-  KDTREE_SPLIT_KERNEL=trans python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_MIXED=1 (a last row tile of <= 16 rows as skinny items beside the dual kernel)"
   KDTREE_MIXED=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SKINNY=0 (small calls on the dual kernel)"
   KDTREE_SKINNY=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
-fi
-if has trans; then   # the trans kernel (verify_trans.cuh, opt-in): tests, sanitizers, A/B bench
-  # every step under a timeout (a barrier protocol change may hang); the device tool brings back only a few files
-  # from $OUT, so the sanitizer logs travel as one archive
-  log "kernel tests, KDTREE_SPLIT_KERNEL=trans"
-  KDTREE_SPLIT_KERNEL=trans timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_kernel_gpu.py 2>&1 \
-    | tail -15
-  for tool in memcheck racecheck; do
-    for c in small split n1; do
-      KDTREE_SPLIT_KERNEL=trans timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
-        python3 benchmarks/sanitize_case.py $c > "/tmp/trans_${tool}_${c}.log" 2>&1
-      echo "trans $tool $c rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "/tmp/trans_${tool}_${c}.log" | tr '\n' ' ')"
-      grep -E "Error|hazard|Race|at 0x" "/tmp/trans_${tool}_${c}.log" | head -4
-    done
-  done
-  tar czf "$OUT/trans_sanitize_logs.tgz" -C /tmp $(cd /tmp && ls trans_*_*.log)
-  log "bench: default kernels, then KDTREE_SPLIT_KERNEL=trans (same build)"
-  timeout 240 python3 benchmarks/bench.py --no-sglang --out "$OUT/bench_default.json" 2>&1 | tee "$OUT/bench_default.log" | grep -v "^\["
-  KDTREE_SPLIT_KERNEL=trans timeout 240 python3 benchmarks/bench.py --no-sglang --out "$OUT/bench_trans.json" 2>&1 \
-    | tee "$OUT/bench_trans.log" | grep -v "^\["
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
@@ -93,7 +65,7 @@ if has sanitize; then
     done
   done
   # synccheck on every other split kernel (barrier use differs per kernel; session 20 found role-divergent bar.sync)
-  for k in STAGES=2 KERNEL=mma KERNEL=wgmma KERNEL=pingpong KERNEL=trans KERNEL=pair KERNEL=srefill KERNEL=skinny MIXED=1; do
+  for k in STAGES=2 KERNEL=mma KERNEL=skinny MIXED=1; do
     log "compute-sanitizer synccheck split, KDTREE_SPLIT_$k"
     var=KDTREE_SPLIT_$k; [ "$k" = MIXED=1 ] && var=KDTREE_$k
     env "$var" compute-sanitizer --tool synccheck --error-exitcode 9 python3 benchmarks/sanitize_case.py split \

@@ -15,7 +15,7 @@ for v in ${KDTREE_EXPERIMENTS:-NONE NO_GATHER NO_SCORE_MMA NO_PV_MMA}; do
   if [ "$v" != NONE ]; then
     for part in ${v//+/ }; do
       case "$part" in
-        D:*) flags="$flags -D${part#D:}" ;;   # any macro, e.g. D:KDTREE_WG_SCHAINS=4
+        D:*) flags="$flags -D${part#D:}" ;;   # any macro, e.g. D:KDTREE_DUAL_LAZY_RESCALE=0
         *) flags="$flags -DKDTREE_EXP_$part" ;;
       esac
     done

@@ -16,13 +16,7 @@ for arch in 90a 120; do
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
               s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb0EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<small calls>/; \
               s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb1EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<remainder tiles, KDTREE_MIXED=1>/; \
-              s/_ZN6kdtree2tr32kdtree_verify_split_trans_kernelENS_6ParamsE/kdtree_verify_split_trans_kernel/; \
-              s/_ZN6kdtree2wg32kdtree_verify_split_wgmma_kernelENS_6ParamsE/kdtree_verify_split_wgmma_kernel/; \
-              s/_ZN6kdtree2pp35kdtree_verify_split_pingpong_kernelENS_6ParamsE/kdtree_verify_split_pingpong_kernel/; \
-              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0ELb0EEEvNS_6ParamsE/kdtree_verify_split_dual_kernel<default>/; \
-              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb1ELb0EEEvNS_6ParamsE/kdtree_verify_split_dual_kernel<pair, KDTREE_SPLIT_KERNEL=pair>/; \
-              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0ELb1EEEvNS_6ParamsE/kdtree_verify_split_dual_kernel<srefill, KDTREE_SPLIT_KERNEL=srefill>/; \
-              s/_ZN6kdtree6seesaw33kdtree_verify_split_seesaw_kernelENS_6ParamsE/kdtree_verify_split_seesaw_kernel<KDTREE_SPLIT_KERNEL=seesaw>/; \
+              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel/; \
               s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
               s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
               s/_ZN6kdtree25kdtree_verify_plan_kernelENS_6ParamsE/kdtree_verify_plan_kernel/"
@@ -30,28 +24,22 @@ for arch in 90a 120; do
 done
 cat > "$tmp/sz.cu" <<'CU'
 #include <cstdio>
-#include "verify_pingpong.cuh"
 #include "verify_dual.cuh"
-#include "verify_seesaw.cuh"
 #include "verify_skinny.cuh"
-#include "verify_trans.cuh"
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B, its 32-row shape %zu B (sm_120 limit 101376), "
-         "3 stages %zu B, dual %zu B, seesaw %zu B, wgmma %zu B, pingpong %zu B, skinny %zu B, trans %zu B (sm_90 limit 232448)\n",
+         "3 stages %zu B, dual %zu B, skinny %zu B (sm_90 limit 232448)\n",
          sizeof(kdtree::SharedStorage<2>),
          sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
-         sizeof(kdtree::SharedStorage<3>), kdtree::dual::kSmemBytes, kdtree::seesaw::kSmemBytes, kdtree::wg::kSmemBytes, kdtree::pp::kSmemBytes,
-         kdtree::sk::kSmemBytes, kdtree::tr::kSmemBytes);
+         sizeof(kdtree::SharedStorage<3>), kdtree::dual::kSmemBytes, kdtree::sk::kSmemBytes);
 }
 CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
 echo "On sm_120 only the 2-stage kdtree_verify_split_kernel runs (48 rows; 32 rows x 2 key halves for calls of <= 32-row"
-echo "requests); the nine wgmma kernel instantiations there are __trap() stubs. On sm_90a the skinny kernel runs calls of <= 16-row requests"
-echo "(and, only with KDTREE_MIXED=1, its remainder instantiation a last row tile of <= 16 rows beside the dual kernel, session 15);"
-echo "the trans kernel runs only when KDTREE_SPLIT_KERNEL=trans asks for it (slower than the default on every shape measured, H200, session 14),"
-echo "the dual kernel's pair and srefill instantiations only under KDTREE_SPLIT_KERNEL=pair / srefill (slower, session 16),"
-echo "the seesaw kernel (two warpgroups, 255 registers each at most: no setmaxnreg) only under KDTREE_SPLIT_KERNEL=seesaw (session 24)."
-echo "kdtree_verify_split_dual_kernel<default>'s 96 registers are its launch allocation (640 threads: a producer warpgroup beside the two score and two value ones,"
-echo "KDTREE_DUAL_PRODUCER, session 25); setmaxnreg then gives its producer 48, its score warpgroups 56 (since session 28; 16 scores, no q in registers: KDTREE_DUAL_QREG 0) and its value"
-echo "warpgroups 160 (ptxas checks each region: no spills). Its pair and srefill instantiations keep 512 threads at 128, then 96 / 160 (verify_dual.cuh); the"
-echo "trans kernel's 128 likewise, then 144 / 160 / 160 / 48 (score, value, value, producer: verify_trans.cuh)."
+echo "requests); the sm_90a kernels (dual, skinny) and the 3-stage mma.sync kernel are __trap() stubs there. On sm_90a the skinny"
+echo "kernel runs calls of <= 16-row requests (and, only with KDTREE_MIXED=1, its remainder instantiation a last row tile of"
+echo "<= 16 rows beside the dual kernel, session 15); the mma.sync kernels only when KDTREE_SPLIT_KERNEL=mma or"
+echo "KDTREE_SPLIT_STAGES=2 ask for them (to test the sm_120 code path on an H100/H200), or in a build without sm_90a."
+echo "kdtree_verify_split_dual_kernel's 96 registers are its launch allocation (640 threads: a producer warpgroup beside the"
+echo "two score and two value ones, session 25); setmaxnreg then gives its producer 48, its score warpgroups 56 and its value"
+echo "warpgroups 160 (verify_dual.cuh; ptxas checks each region: no spills)."

@@ -13,7 +13,7 @@ out=$(mktemp -d)
 "$nvcc" -std=c++17 -O3 --expt-relaxed-constexpr -DKDTREE_HAVE_SM90A=1 -gencode arch=compute_90a,code=sm_90a \
   -Isrc/cuda -Xptxas -v "$@" -c src/cuda/verify_launch.cu -o "$out/v.o" > "$out/log" 2>&1 || { tail -20 "$out/log"; rm -rf "$out"; exit 2; }
 n=$(grep -c "(C75[0-9][0-9])" "$out/log")
-spill=$(grep -A3 "Compiling entry function '_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0ELb0E" "$out/log" \
+spill=$(grep -A3 "Compiling entry function '_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE" "$out/log" \
   | grep -o "[0-9]* bytes spill stores" | head -1)
 note=""; [ -n "$spill" ] && [ "${spill%% *}" != 0 ] && note="; the dual kernel SPILLS: $spill"
 if [ "$n" -gt 0 ]; then

@@ -485,20 +485,8 @@ def test_the_fastest_split_kernel_is_selected():
     cc = torch.cuda.get_device_capability()
     if os.environ.get("KDTREE_SPLIT_STAGES") == "2":
         assert got == "mma.sync-2stage"
-    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "pingpong":
-        assert got == "wgmma-pingpong"
-    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "wgmma":
-        assert got == "wgmma"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "skinny":
         assert got == "wgmma-skinny"
-    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "trans":
-        assert got == "wgmma-trans"
-    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "pair":
-        assert got == "wgmma-dual-pair"
-    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "srefill":
-        assert got == "wgmma-dual-srefill"
-    elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") == "seesaw":
-        assert got == "wgmma-seesaw"
     elif cc == (9, 0) and os.environ.get("KDTREE_SPLIT_KERNEL") != "mma":
         assert got == "wgmma-dual", "an sm_90 GPU should run the sm_90a wgmma kernel (built with KDTREE_SM90A=OFF?)"
     elif cc == (9, 0):
@@ -517,7 +505,7 @@ def test_the_fastest_split_kernel_is_selected():
     # with KDTREE_MIXED=1, a last 64-row tile of <= 16 rows (H16 N9: 64 + 64 + 16) runs as skinny items beside the dual one
     remainder = [(1, 9, 16), (8, 72, 16), (1, 5, 16), (1, 65, 1), (2, 66, 2)]
     small16 = small32 = mixed = got
-    if got in ("wgmma-dual", "wgmma-dual-pair", "wgmma-dual-srefill", "wgmma-seesaw") and os.environ.get("KDTREE_SKINNY") != "0":
+    if got == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0":
         small16 = "wgmma-skinny"
         if got == "wgmma-dual" and os.environ.get("KDTREE_MIXED") == "1":
             mixed = "wgmma-dual+skinny"

@@ -140,25 +140,19 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
  * kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and the 2-stage kernel's 32-row
  * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off). Beside the dual kernel, a call
  * whose requests' last 64-row tile has at most 16 rows (H16 N9: 64 + 64 + 16) runs that tile as skinny items on
- * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in: up to ~3% faster
- * at H16 N9 with long prefixes at the best SM split, within the spread at the default one, slower on other shapes;
- * H200, session 15).
+ * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in, never chosen: -3% at
+ * H16 N9 with long prefixes in session 15, slower on every shape since session 29; H200).
  * The combine merges each row tile as soon as that tile's split items have stored their partials (it starts while the
  * split pass still runs; counters in the workspace, zeroed by the plan kernel and left zero by every call);
  * KDTREE_EARLY_COMBINE=0 (read once per device) makes it wait for the whole split pass instead.
  * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
- * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=wgmma,
- * =pingpong, =skinny, =trans, =pair or =srefill select the other sm_90a kernels for every call (one score warpgroup,
- * verify_wgmma.cuh; two symmetric warpgroups, verify_pingpong.cuh; 16-row items, verify_skinny.cuh; 48-row items
- * with the keys as the wgmma M, verify_trans.cuh; the dual kernel with S over pairs of key buffers, or with its score
- * warpgroups copying the keys, verify_dual.cuh; the last three slower than the default on every shape measured). */
+ * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=skinny runs
+ * every call on the skinny kernel (correct for any rows: to test it). */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
 /* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 92 (sm_90a
- * wgmma, two score warpgroups), 90 (sm_90a wgmma, one score warpgroup), 91 (sm_90a wgmma, ping-pong
- * warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 94 (sm_90a trans: 48-row items
- * with both products transposed, KDTREE_SPLIT_KERNEL=trans), 96 / 97 (the dual kernel's pair / srefill variants,
- * KDTREE_SPLIT_KERNEL=pair / srefill), 3 or 2 (mma.sync with that many key stages).
+ * wgmma, two score warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 3 or 2 (mma.sync with
+ * that many key stages).
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 

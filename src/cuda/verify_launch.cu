@@ -11,11 +11,8 @@
 
 #include "kdtree_verify.h"
 #include "verify_kernel.cuh"
-#include "verify_pingpong.cuh"
 #include "verify_dual.cuh"
-#include "verify_seesaw.cuh"
 #include "verify_skinny.cuh"
-#include "verify_trans.cuh"
 
 #ifdef KDTREE_EXP_TRACE
 namespace kdtree {
@@ -86,8 +83,7 @@ struct Layout {
 // (verify_split_rule.h), so it owns at most split_target * block_m partial rows (block_m of whichever split kernel runs,
 // at most 64) plus its own rows; a row needs at most split_target partials (mtiles >= 2 where a split is added).
 constexpr int kMaxBlockM = kdtree::kBlockM > kdtree::wg::kBlockM ? kdtree::kBlockM : kdtree::wg::kBlockM;
-static_assert(kdtree::sk::kRows <= kMaxBlockM && kdtree::tr::kRows <= kMaxBlockM,
-              "every split kernel's items fit the partials' sizing");
+static_assert(kdtree::sk::kRows <= kMaxBlockM, "every split kernel's items fit the partials' sizing");
 Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
   Layout l;
   const long long by_batch = (long long)batch * split_target * kMaxBlockM + (long long)num_tokens * heads;
@@ -108,19 +104,10 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
 // the dual-score wgmma kernel (verify_dual.cuh) on compute capability 9.0 when the build carries sm_90a
 // code, else the mma.sync kernel with 3 stages where a block may take that much shared memory, 2
 // otherwise (sm_120). KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the
-// mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200;
-// KDTREE_SPLIT_KERNEL=wgmma / pingpong select the other two sm_90a kernels (verify_wgmma.cuh: one score
-// warpgroup, the default up to session 8; verify_pingpong.cuh); KDTREE_SPLIT_KERNEL=trans the transposed kernel with
-// 48-row items (verify_trans.cuh: slower than the default on every shape measured, session 14; never chosen).
-// KDTREE_SPLIT_KERNEL=pair / srefill (session 16): the dual kernel with its S over pairs of 32-key buffers as
-// m64n64k16 (verify_dual.cuh, Pair) / with the score warpgroups refilling the key buffers (SRefill).
-// KDTREE_SPLIT_KERNEL=seesaw (session 24): two warpgroups that each hold half of O and take turns at S over 64-key
-// steps (verify_seesaw.cuh).
-enum SplitKernel {
-  kMma2 = 2, kMma3 = 3, kWgmma = 90, kPingPong = 91, kDual = 92, kSkinny = 93, kTrans = 94, kMixed = 95, kDualPair = 96,
-  kDualSRefill = 97, kSeesaw = 98
-};
-bool is_dual(int kernel) { return kernel == kDual || kernel == kDualPair || kernel == kDualSRefill; }
+// mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200.
+// (Codes 90, 91, 94, 96, 97 and 98 were the wgmma, pingpong, trans, dual-pair, dual-srefill and seesaw kernels, each
+// measured slower than the dual kernel and removed in session 38: docs/PERF_LOG.md, "Removed kernels and switches".)
+enum SplitKernel { kMma2 = 2, kMma3 = 3, kDual = 92, kSkinny = 93, kMixed = 95 };
 // Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
 // - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
 //   at most 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference), KDTREE_SPLIT_KERNEL=skinny makes
@@ -149,40 +136,20 @@ struct SplitLaunch {
   int block_m;   // rows per work item
   int tile_n;    // keys per pipeline tile: splits are whole tiles
   // Params::done_arrivals: 1 (signal_item_done once per item, the combine merges each row tile as soon as it is
-  // done), 0 (the split kernel signals nothing and the combine waits for the whole pass): the trans experiment, and
-  // the skinny kernel of small calls, whose combine blocks fit beside it, so that it lets them start before its wait
-  // for the plan (measured faster, session 17)
+  // done), 0 (the split kernel signals nothing and the combine waits for the whole pass): the skinny kernel of small
+  // calls, whose combine blocks fit beside it, so that it lets them start before its wait for the plan (measured
+  // faster, session 17)
   int done_arrivals = 1;
 };
-// One instantiation of the dual kernel (verify_dual.cuh): its thread count depends on the instantiation (the producer
-// warpgroup, KDTREE_DUAL_PRODUCER).
-template <bool Pair, bool SRefill>
-SplitLaunch dual_launch() {
-  return {kdtree::dual::kdtree_verify_split_dual_kernel<Pair, SRefill>, kdtree::dual::kThreadsOf<Pair, SRefill>,
-          kdtree::dual::kSmemBytes, kdtree::wg::kItemRows, kdtree::wg::kTileN};
-}
 SplitLaunch split_launch(int kernel) {
   using kdtree::kTileN;
-  constexpr int kWgRows = kdtree::wg::kItemRows, kWgTile = kdtree::wg::kTileN;   // the three wgmma kernels' items
-  if (kernel == kWgmma)
-    return {kdtree::wg::kdtree_verify_split_wgmma_kernel, kdtree::wg::kThreads, kdtree::wg::kSmemBytes, kWgRows,
-            kWgTile};
-  if (kernel == kPingPong)
-    return {kdtree::pp::kdtree_verify_split_pingpong_kernel, kdtree::pp::kThreads, kdtree::pp::kSmemBytes, kWgRows,
-            kWgTile};
-  if (is_dual(kernel))
-    return kernel == kDual ? dual_launch<false, false>() : kernel == kDualPair ? dual_launch<true, false>()
-                                                                                : dual_launch<false, true>();
-  if (kernel == kSeesaw)
-    return {kdtree::seesaw::kdtree_verify_split_seesaw_kernel, kdtree::seesaw::kThreads, kdtree::seesaw::kSmemBytes,
-            kWgRows, kWgTile};
+  if (kernel == kDual)
+    return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
+            kdtree::wg::kBlockM, kdtree::wg::kTileN};
   if (kernel == kSkinny || kernel == kSkinnyRem)
     return {kernel == kSkinny ? kdtree::sk::kdtree_verify_split_skinny_kernel<false>
                               : kdtree::sk::kdtree_verify_split_skinny_kernel<true>,
             kdtree::sk::kThreads, kdtree::sk::kSmemBytes, kdtree::sk::kRows, kdtree::sk::kTileN, kernel == kSkinny ? 0 : 1};
-  if (kernel == kTrans)
-    return {kdtree::tr::kdtree_verify_split_trans_kernel, kdtree::tr::kThreads, kdtree::tr::kSmemBytes,
-            kdtree::tr::kRows, kdtree::tr::kTileN, 0};   // (a closed experiment: its combine waits for the whole pass)
   if (kernel == kMma2)
     return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
             kdtree::MmaWide::kBlockM, kTileN};
@@ -230,21 +197,12 @@ DeviceInfo device_info(int dev, int* status) {
     if (e != cudaSuccess) { *status = (int)e; return {}; }
     int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kMma3 : kMma2;
 #ifdef KDTREE_HAVE_SM90A
-    if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes &&
-        (size_t)optin >= kdtree::wg::kSmemBytes && (size_t)optin >= kdtree::pp::kSmemBytes &&
-        (size_t)optin >= kdtree::sk::kSmemBytes && (size_t)optin >= kdtree::tr::kSmemBytes &&
-        (size_t)optin >= kdtree::seesaw::kSmemBytes)
+    if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes && (size_t)optin >= kdtree::sk::kSmemBytes)
       kernel = kDual;
 #endif
     if (kernel == kDual) {
       if (env_is("KDTREE_SPLIT_KERNEL", "mma")) kernel = kMma3;
-      if (env_is("KDTREE_SPLIT_KERNEL", "wgmma")) kernel = kWgmma;
-      if (env_is("KDTREE_SPLIT_KERNEL", "pingpong")) kernel = kPingPong;
       if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = kSkinny;
-      if (env_is("KDTREE_SPLIT_KERNEL", "trans")) kernel = kTrans;
-      if (env_is("KDTREE_SPLIT_KERNEL", "pair")) kernel = kDualPair;
-      if (env_is("KDTREE_SPLIT_KERNEL", "srefill")) kernel = kDualSRefill;
-      if (env_is("KDTREE_SPLIT_KERNEL", "seesaw")) kernel = kSeesaw;
     }
     if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
@@ -261,7 +219,7 @@ DeviceInfo device_info(int dev, int* status) {
     // the small-call kernel beside the device's (not fatal when it cannot be configured: the device's serves every call)
     int small_kernel = 0, small_rows = 0;
 #ifdef KDTREE_HAVE_SM90A
-    if ((is_dual(kernel) || kernel == kSeesaw) && !env_is("KDTREE_SKINNY", "0")) {
+    if (kernel == kDual && !env_is("KDTREE_SKINNY", "0")) {
       small_kernel = kSkinny;
       small_rows = kdtree::sk::kRows;
     }
@@ -308,7 +266,7 @@ int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
   if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
   if (rows <= dev.small_rows) return dev.small_kernel;
-  const long long rem = rows % kdtree::wg::kItemRows;
+  const long long rem = rows % kdtree::wg::kBlockM;
   if (dev.mixed && rem > 0 && rem <= kdtree::kMixedRemRows) return kMixed;
   return dev.kernel;
 }
@@ -553,8 +511,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  // (the default dual kernel, alone or in a mixed call, and the seesaw kernel read them; pair and srefill copy q)
-  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed || call == kSeesaw) && build_q_maps(prm, p);
+  // (the dual kernel, alone or in a mixed call, reads them)
+  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed) && build_q_maps(prm, p);
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than

@@ -92,15 +92,13 @@ def compiled_archs():
     return kdtree_compiled_archs().decode("ascii")
 
 
-_KERNEL_NAMES = {90: "wgmma", 91: "wgmma-pingpong", 92: "wgmma-dual", 93: "wgmma-skinny", 94: "wgmma-trans",
-                 95: "wgmma-dual+skinny", 96: "wgmma-dual-pair",
-                 97: "wgmma-dual-srefill", 98: "wgmma-seesaw",
+_KERNEL_NAMES = {92: "wgmma-dual", 93: "wgmma-skinny", 95: "wgmma-dual+skinny",
                  3: "mma.sync-3stage", 2: "mma.sync-2stage", 4: "mma.sync-2stage-32row"}
 
 
 def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
-    """The split kernel that runs on the current device: ``"wgmma-dual"``, ``"wgmma"``, ``"wgmma-pingpong"``,
-    ``"wgmma-skinny"``, ``"wgmma-trans"``, ``"wgmma-dual-pair"``, ``"wgmma-dual-srefill"`` or ``"wgmma-seesaw"`` (sm_90a), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
+    """The split kernel that runs on the current device: ``"wgmma-dual"`` or ``"wgmma-skinny"`` (sm_90a; the second
+    only under KDTREE_SPLIT_KERNEL=skinny), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
     runs the dual kernel and no request can exceed 16 rows, ``"wgmma-dual+skinny"`` there, with KDTREE_MIXED=1, when
     each request's last 64-row tile has at most 16 rows: that tile as skinny items beside the dual kernel, ``"mma.sync-2stage-32row"``
