@@ -21,6 +21,8 @@ Shapes (the rows of one request are H x N; "crossings": how many SMs receive eac
          dims: CTA 0 computes the partial S over dims [0, 288) and O for values [0, 256), CTA 1 S over [288, 576) and
          values [256, 512); each gathers only the dims it reads and sends its fp32 partial S^T to the other through
          distributed shared memory (session 38's count; not built).
+"fits one SM": shared memory within 227 KB (1 KB kept for barriers) and accumulators within REG_SHARE of the register
+file, a first check only: how the accumulators split into whole warpgroups under setmaxnreg decides (PERF_LOG 0-s38).
 None of these numbers is a measurement except the calibration row (history 177: the default's split kernel at H16
 N9 P131072, 181,657 cycles).
 """
