@@ -199,3 +199,43 @@ def test_without_a_gpu_calls_raise_kdtree_error():
     assert result["call_kernel_bad_batch"][:2] == ["KdtreeError", _header_status_codes()["KDTREE_ERR_BATCH"]], result
     assert result["call_kernel_partial"][0] == "ValueError" and "together" in result["call_kernel_partial"][1], result
     assert _verify.status_string(no_device) in result["launch"][2]
+
+
+_ENV_PROBE = r"""
+import json
+import kdtree._verify as v
+out = {}
+for key, fn, a in (("workspace_size", v.workspace_size, (1, 9, 16)), ("split_kernel", v.split_kernel, ()),
+                   ("call_kernel", v.split_kernel, (1, 9, 16))):
+    try:
+        out[key] = ["returned", repr(fn(*a))]
+    except v.KdtreeError as e:
+        out[key] = ["KdtreeError", e.status, str(e)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name, value, ok", [
+    ("KDTREE_SPLIT_KERNEL", "pingpong", False),   # a kernel session 38 removed: an error, never the default silently
+    ("KDTREE_SPLIT_KERNEL", "mma", True),
+    ("KDTREE_SPLIT_KERNEL", "", True),
+    ("KDTREE_SPLIT_STAGES", "3", False),
+    ("KDTREE_MIXED", "1", True),
+    ("KDTREE_PDL", "off", False),
+    ("KDTREE_MIXED_SMS", "40", True),
+    ("KDTREE_MIXED_SMS", "forty", False),
+])
+def test_environment_switches_take_only_their_values(name, value, ok):
+    # every GPU hidden: a valid switch reaches the device query (no device), an invalid one is refused before it, by name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}
+    env.update(CUDA_VISIBLE_DEVICES="", **{name: value})
+    proc = subprocess.run([sys.executable, "-c", _ENV_PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, f"probe exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    codes = _header_status_codes()
+    for key, got in result.items():
+        if ok:
+            assert got[:2] == ["KdtreeError", codes["KDTREE_ERR_NO_DEVICE"]], (key, got)
+        else:
+            assert got[:2] == ["KdtreeError", codes["KDTREE_ERR_ENV"]], (key, got)
+            assert f"{name}={value}" in got[2] and "not a value this build takes" in got[2], (key, got)

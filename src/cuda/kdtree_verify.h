@@ -58,6 +58,7 @@ extern "C" {
 #define KDTREE_ERR_NUM_SLOTS (-14)     /* num_slots < 1 */
 #define KDTREE_ERR_RESOURCES (-15)     /* the split kernel cannot fit one block on an SM of this GPU */
 #define KDTREE_ERR_REUSE_PLAN (-16)    /* reuse_plan is neither 0 nor 1 */
+#define KDTREE_ERR_ENV (-17)           /* a KDTREE_* environment switch has a value this build does not take */
 
 typedef struct kdtree_verify_params {
   /* ---- queries, T = num_tokens verify tokens of all requests, H = num_heads ---- */

@@ -3,6 +3,7 @@
 #include <cuda.h>   // CUtensorMap and its encoder's types (the encoder itself comes through the runtime: no -lcuda)
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdio.h>   // snprintf into the KDTREE_ERR_ENV message (nothing is printed)
 #include <stdlib.h>
 #include <string.h>
 
@@ -280,7 +281,60 @@ int mixed_skinny_sms(int sms, int mt, int set) {
   return std::min(std::max(k, 1), sms - 1);
 }
 
+// The environment switches this library reads and the values each takes besides unset or empty (the default). Any
+// other value is KDTREE_ERR_ENV, so that a switch value this build no longer has (session 38 removed kernels that
+// KDTREE_SPLIT_KERNEL used to name) never runs the default silently. Checked once per process, before the device:
+// the message names the variable (kdtree_status_string).
+struct EnvSwitch {
+  const char* name;
+  const char* values;   // the values it takes, ", "-separated, as the message lists them
+};
+constexpr EnvSwitch kEnvSwitches[] = {
+    {"KDTREE_SPLIT_KERNEL", "mma, skinny"}, {"KDTREE_SPLIT_STAGES", "2"},  {"KDTREE_SKINNY", "0, 1"},
+    {"KDTREE_MMA_HALVES", "0, 1"},          {"KDTREE_MIXED", "0, 1"},       {"KDTREE_PDL", "0, 1"},
+    {"KDTREE_EARLY_COMBINE", "0, 1"},       {"KDTREE_Q_TMA", "0, 1"},
+};
+char g_env_message[256];   // the message of KDTREE_ERR_ENV (written once, before the status is first returned)
+bool env_value_listed(const char* value, const char* values) {
+  const size_t n = strlen(value);
+  for (const char* v = values; *v;) {
+    const char* end = strchr(v, ',');
+    const size_t len = end ? (size_t)(end - v) : strlen(v);
+    if (len == n && strncmp(v, value, n) == 0) return true;
+    if (!end) break;
+    v = end + 1;
+    while (*v == ' ') ++v;
+  }
+  return false;
+}
+int check_env() {
+  static int status = 1;   // 1: not checked yet (benign race: every thread computes the same)
+  if (status == 1) {
+    int s = KDTREE_OK;
+    for (const EnvSwitch& sw : kEnvSwitches) {
+      const char* v = getenv(sw.name);
+      if (v && *v && !env_value_listed(v, sw.values)) {
+        snprintf(g_env_message, sizeof(g_env_message), "%s=%.64s is not a value this build takes (unset, %s)", sw.name,
+                 v, sw.values);
+        s = KDTREE_ERR_ENV;
+        break;
+      }
+    }
+    if (s == KDTREE_OK) {   // KDTREE_MIXED_SMS: a number of SMs
+      const char* v = getenv("KDTREE_MIXED_SMS");
+      if (v && *v && strspn(v, "0123456789") != strlen(v)) {
+        snprintf(g_env_message, sizeof(g_env_message),
+                 "KDTREE_MIXED_SMS=%.64s is not a value this build takes (unset, or a number of SMs)", v);
+        s = KDTREE_ERR_ENV;
+      }
+    }
+    status = s;
+  }
+  return status;
+}
+
 DeviceInfo current_device(int* status) {
+  if ((*status = check_env()) != KDTREE_OK) return {};
   int dev = -1;
   const cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) {
@@ -584,6 +638,8 @@ const char* kdtree_status_string(int status) {
     case KDTREE_ERR_NUM_SLOTS: return "num_slots must be >= 1";
     case KDTREE_ERR_RESOURCES: return "the split kernel does not fit one block per SM on this GPU (registers/shared memory)";
     case KDTREE_ERR_REUSE_PLAN: return "reuse_plan must be 0 or 1";
+    case KDTREE_ERR_ENV:
+      return g_env_message[0] ? g_env_message : "a KDTREE_* environment switch has a value this build does not take";
     default: break;
   }
   if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));

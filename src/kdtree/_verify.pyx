@@ -174,12 +174,13 @@ cdef float _f32(object value, str name) except? -1:
 def workspace_size(batch_size, num_tokens, num_heads):
     """Bytes of workspace :func:`launch` needs on the current device for these sizes.
 
-    Raises KdtreeError when the library returns 0 (an invalid size or no usable CUDA device).
+    Raises KdtreeError when the library returns 0 (an invalid size, no usable CUDA device, a bad KDTREE_* switch).
     """
     cdef int b = _c_int(batch_size, "batch_size")
     cdef int t = _c_int(num_tokens, "num_tokens")
     cdef int h = _c_int(num_heads, "num_heads")
     cdef size_t nbytes
+    cdef int kernel = 0
     with nogil:
         nbytes = kdtree_verify_workspace_size(b, t, h)
     if nbytes:
@@ -191,8 +192,8 @@ def workspace_size(batch_size, num_tokens, num_heads):
         status = KDTREE_ERR_NUM_TOKENS
     elif not 1 <= h <= KDTREE_MAX_HEADS:
         status = KDTREE_ERR_NUM_HEADS
-    else:
-        status = KDTREE_ERR_NO_DEVICE
+    else:   # the library's reason for the device (no device, an environment switch, ...)
+        status = kdtree_verify_split_kernel(&kernel) or KDTREE_ERR_NO_DEVICE
     raise KdtreeError(status, f"workspace_size(batch_size={b}, num_tokens={t}, num_heads={h}) returned 0")
 
 
