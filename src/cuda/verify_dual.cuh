@@ -41,9 +41,9 @@ using wg::kTileBytes;
 using wg::kQSlabBytes;
 using wg::kKSteps;
 using wg::kPvSteps;
-using wg::kValueThreads;
 
 constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
+constexpr int kValueThreads = 256;             // the two value warpgroups
 constexpr int kThreads = 640;                  // 2 score + 2 value warpgroups + the producer
 constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;   // 96: the launch's registers a thread, one block per SM
 constexpr int kScoreRegs = 56;

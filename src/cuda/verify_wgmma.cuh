@@ -12,7 +12,7 @@
 //   of a tile with cp.async.mbarrier.arrive.noinc, so a tile announces itself on its mbarrier when it has landed;
 //   readers wait on the mbarrier and fence the tile into the async proxy before their wgmma.
 // (Session 2's kernel with one score warpgroup, "wgmma", was the default up to session 8 and is in git history with
-// the other closed experiments: docs/PERF_LOG.md, "Removed kernels".)
+// the other closed experiments: docs/PERF_LOG.md, "Removed kernels and switches".)
 #pragma once
 
 #include <type_traits>
@@ -31,7 +31,6 @@ constexpr int kSlabBytes = kTileN * 128;    // 4,096: one 64-column slab of a ke
 constexpr int kTileBytes = kSlabs * kSlabBytes;  // 36,864
 constexpr int kQSlabBytes = kBlockM * 128;  // 8,192: one 64-column slab of q
 constexpr int kChunksPerKey = kKeyBytes / 16;    // 72
-constexpr int kValueThreads = 256;          // the dual kernel's two value warpgroups
 constexpr int kThreadsPerKey = 8;           // copier threads per key: thread i copies chunk i % 8 of each slab
 constexpr int kKSteps = kDimQK / 16;        // 36
 constexpr int kPvSteps = kTileN / 16;       // 2
