@@ -22,14 +22,6 @@
 constexpr int kTile = 32, kKeyBytes = 1152, kTileBytes = kTile * kKeyBytes, kThreads = 128;
 __device__ __forceinline__ uint32_t cluster_id() { uint32_t r; asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r)); return r; }
 __device__ __forceinline__ uint32_t nclusters() { uint32_t r; asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(r)); return r; }
-__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {   // my shared address -> rank's
-  uint32_t r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank)); return r;
-}
-__device__ __forceinline__ void wait_cluster(uint32_t bar, uint32_t parity) {   // acquire at cluster scope
-  asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
-               ::"r"(bar), "r"(parity) : "memory");
-}
-
 template <int MODE, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) gather(const unsigned char* pool, const int* slots, int nkeys, int chunk,
                                                      unsigned* sink, int* bad) {

@@ -28,7 +28,22 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
       "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
 }
 
+// setmaxnreg from the launch's Launch registers a thread to N (the pool is what the block got at launch: a request past
+// it waits forever, history 16)
+template <int N, int Launch>
+__device__ __forceinline__ void set_max_regs() {
+  if constexpr (N > Launch) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 __device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r)); return r; }
+__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {   // my shared address -> rank's
+  uint32_t r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank)); return r;
+}
+__device__ __forceinline__ void wait_cluster(uint32_t bar, uint32_t parity) {   // acquire at cluster scope
+  asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
+               ::"r"(bar), "r"(parity) : "memory");
+}
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }

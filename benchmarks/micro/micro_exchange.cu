@@ -22,7 +22,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>
-#include "micro_common.cuh"
+#include "micro_split.cuh"   // micro_common.cuh, wgmma_ops.inc, wgmma_round
 
 constexpr int kRows = 144;                 // H16 N9: every row of the request, the wgmma N
 constexpr int kKeys = 64;                  // a key tile: the wgmma M of S^T
@@ -45,33 +45,6 @@ struct Smem {
 };
 constexpr int kSmemBytes = sizeof(Smem) + 1024;
 
-__device__ __forceinline__ void wgmma_n144(float (&d)[72], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, %72, %73, 1, 1, 1, 0, 0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
-      : "l"(da), "l"(db));
-}
-
-__device__ __forceinline__ void wgmma_n144_ta(float (&d)[72], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, %72, %73, 1, 1, 1, 1, 0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
-      : "l"(da), "l"(db));
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-template <int Regs, bool Inc>
-__device__ __forceinline__ void set_max_regs() {
-  if constexpr (Inc) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
-  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
-}
-__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
-  uint32_t r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank)); return r;
-}
-__device__ __forceinline__ void wait_cluster(uint64_t* bar, uint32_t parity) {   // acquire at cluster scope
-  asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [%0], %1;\n@!d bra W_%=;\n}\n"
-               ::"r"(smem_u32(bar)), "r"(parity) : "memory");
-}
 __device__ __forceinline__ void st_async_v4(uint32_t raddr, const float* v, uint32_t rbar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
                ::"r"(raddr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(rbar) : "memory");
@@ -94,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(int tiles, float* out, f
   for (int i = tid; i < (int)(offsetof(Smem, x) / 4); i += kThreads) {
     const unsigned h = (unsigned)i * 2654435761u;
     const unsigned lo = 0x3c00u | (h & 0x7fu) | ((h >> 9) & 0x8000u), hi = 0x3c00u | ((h >> 12) & 0x7fu) | ((h >> 1) & 0x8000u);
-    reinterpret_cast<unsigned*>(raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u))[i] = lo | (hi << 16);
+    reinterpret_cast<unsigned*>(&sm)[i] = lo | (hi << 16);
   }
   if (tid == 0) {
     mbar_init(&sm.xfull, 1);      // my arrival with the expected bytes; the peer's st.async complete them
@@ -105,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(int tiles, float* out, f
   cluster_sync();
   if (wg == 0) {
     // ============ score warpgroup: S^T, then (MODE & 1) the exchange ============
-    set_max_regs<kScoreRegs, false>();
+    set_max_regs<kScoreRegs, kLaunchRegs>();
     float s[72];
     const uint32_t rx = mapa(smem_u32(&sm.x[0]), peer) + t128 * 288;   // this thread's 288 B of the peer's buffer
     const uint32_t rfull = mapa(smem_u32(&sm.xfull), peer), rempty = mapa(smem_u32(&sm.xempty), peer);
@@ -113,22 +86,19 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(int tiles, float* out, f
     const long long c0 = clock64();
     for (int t = 0; t < tiles; ++t) {
 #pragma unroll
-      for (int i = 0; i < 72; ++i) s[i] = 0.f;
-      wg_fence();   // (after the zeroing: registers a wgmma accumulates into were written by other instructions)
+      for (int i = 0; i < 72; ++i) s[i] = 0.f;   // (before the round's fence: wgmma accumulates into them)
+      wgmma_round([&] {
 #pragma unroll
-      for (int ks = 0; ks < kSSteps; ++ks) {
-        const uint64_t da = desc_sw128(smem_u32(sm.kv) + (ks >> 2) * kKSlab + (ks & 3) * 32, 16, 1024);
-        const uint64_t db = desc_sw128(smem_u32(sm.q) + (ks >> 2) * kQSlab + (ks & 3) * 32, 16, 1024);
-        wgmma_n144(s, da, db);
-      }
-      wg_commit();
-      wg_wait0();
+        for (int ks = 0; ks < kSSteps; ++ks)
+          wgmma_ss_n144(s, desc_sw128(smem_u32(sm.kv) + (ks >> 2) * kKSlab + (ks & 3) * 32, 16, 1024),
+                        desc_sw128(smem_u32(sm.q) + (ks >> 2) * kQSlab + (ks & 3) * 32, 16, 1024));
+      });
       if constexpr (MODE & 1) {
-        if (t > 0) wait_cluster(&sm.xempty, (t - 1) & 1);   // the peer has read my previous partial
+        if (t > 0) wait_cluster(smem_u32(&sm.xempty), (t - 1) & 1);   // the peer has read my previous partial
 #pragma unroll
         for (int i = 0; i < 18; ++i) st_async_v4(rx + 16 * i, &s[4 * i], rfull);
         if (t128 == 0) arrive_expect_tx(&sm.xfull, kXBytes);
-        wait_cluster(&sm.xfull, t & 1);                       // the peer's partial has landed here
+        wait_cluster(smem_u32(&sm.xfull), t & 1);                       // the peer's partial has landed here
         const float4* mine = reinterpret_cast<const float4*>(&sm.x[t128 * 72]);
 #pragma unroll
         for (int i = 0; i < 18; ++i) {
@@ -146,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(int tiles, float* out, f
     if (keep == 12345.f) sink[tid] = keep;
   } else {
     // ============ value warpgroups: O^T += V^T P^T over 2 blocks of 64 value dims each (MODE & 2) ============
-    set_max_regs<kValueRegs, true>();
+    set_max_regs<kValueRegs, kLaunchRegs>();
     float o[2][72];
 #pragma unroll
     for (int b = 0; b < 2; ++b)
@@ -156,15 +126,14 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(int tiles, float* out, f
     const long long c0 = clock64();
     if constexpr (MODE & 2) {
       for (int t = 0; t < tiles; ++t) {
-        wg_fence();
+        wgmma_round([&] {
 #pragma unroll
-        for (int kk = 0; kk < kPvSteps; ++kk)
+          for (int kk = 0; kk < kPvSteps; ++kk)
 #pragma unroll
-          for (int b = 0; b < 2; ++b)
-            wgmma_n144_ta(o[b], desc_sw128(smem_u32(sm.kv) + (mb0 + b) * kKSlab + kk * 16 * 128, kKSlab, 1024),
-                          desc_sw128(smem_u32(sm.pt) + kk * 32, 16, 1024));
-        wg_commit();
-        wg_wait0();
+            for (int b = 0; b < 2; ++b)
+              wgmma_ss_n144_at(o[b], desc_sw128(smem_u32(sm.kv) + (mb0 + b) * kKSlab + kk * 16 * 128, kKSlab, 1024),
+                               desc_sw128(smem_u32(sm.pt) + kk * 32, 16, 1024));
+        });
       }
     }
     const long long c1 = clock64();

@@ -66,12 +66,6 @@ __device__ __forceinline__ void mbar_wait_b(uint64_t* b, uint32_t parity) {
     if (!done && clock64() - t0 > 4000000000ll) __trap();
   } while (!done);
 }
-template <int N, int Launch>   // a warpgroup's registers from the launch's share
-__device__ __forceinline__ void set_max_regs() {
-  if constexpr (N > Launch) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
 template <int SWG, int QK, int RING, bool GATHER>
 __global__ void __launch_bounds__(128 * (SWG + 2), 1) pipe(const unsigned char* pool, const int* slots, int nslots,
                                                            int reuse, const uint32_t* qsrc, long long* out) {
