@@ -45,7 +45,7 @@ for line in open(sys.argv[1]):
         name = (arch, m.group(1))
         funcs[name] = []
         continue
-    if name is None:
+    if name is None or not re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):   # instruction lines only
         continue
     ins = re.sub(r"/\*[0-9a-f]{4,}\*/|/\* 0x[0-9a-f]+ \*/", "", line).strip()
     if ins:

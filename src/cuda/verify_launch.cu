@@ -11,7 +11,10 @@
 #include <utility>
 
 #include "kdtree_verify.h"
-#include "verify_kernel.cuh"
+#include "verify_combine.cuh"
+#include "verify_mask.cuh"
+#include "verify_mma.cuh"
+#include "verify_plan.cuh"
 #include "verify_dual.cuh"
 #include "verify_skinny.cuh"
 
@@ -384,7 +387,7 @@ int validate(const kdtree_verify_params* p) {
 
 // Launches `kernel` on `stream`; with `pdl`, as a programmatic dependent of the previous kernel in
 // the stream: its blocks may be scheduled before that kernel completes, and wait in
-// grid_dependency_wait() (verify_kernel.cuh) before reading anything. CUDA graphs capture the edge.
+// grid_dependency_wait() (verify_ptx.cuh) before reading anything. CUDA graphs capture the edge.
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), unsigned blocks, int threads, size_t smem, cudaStream_t stream,
                           bool pdl, Args&&... args) {

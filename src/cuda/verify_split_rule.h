@@ -1,4 +1,4 @@
-// verify_split_rule.h: how a request's keys are cut into splits (the plan kernel's rule, verify_kernel.cuh's
+// verify_split_rule.h: how a request's keys are cut into splits (the plan kernel's rule, verify_plan.cuh's
 // request_plan). Plain C++, so that the host can compute the same plan: tests/test_split_rule.py compiles it with the
 // host compiler and checks it against a model of the persistent grid (benchmarks/sim_schedule.py).
 //

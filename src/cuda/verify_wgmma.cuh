@@ -17,7 +17,10 @@
 
 #include <type_traits>
 
-#include "verify_kernel.cuh"
+#include "verify_common.cuh"
+#include "verify_item.cuh"
+#include "verify_profiling.cuh"
+#include "verify_ptx.cuh"
 
 namespace kdtree {
 namespace wg {
