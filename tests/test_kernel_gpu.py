@@ -502,15 +502,11 @@ def test_the_fastest_split_kernel_is_selected():
     le16 = [(1, 1, 16), (2, 2, 16), (1, 2, 8), (1, 16, 1), (3, 6, 8), (5, 45, 1)]
     le32 = [(1, 2, 16), (2, 4, 16), (1, 1, 32), (4, 16, 8)]
     large = [(1, 1, 33), (2, 6, 16), (1, 1, 128), (3, 5, 4), (2, 3, 1), (1, 2, 48)]
-    # with KDTREE_MIXED=1, a last 64-row tile of <= 16 rows (H16 N9: 64 + 64 + 16) runs as skinny items beside the dual one
-    remainder = [(1, 9, 16), (8, 72, 16), (1, 5, 16), (1, 65, 1), (2, 66, 2)]
-    small16 = small32 = mixed = got
+    small16 = small32 = got
     if got == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0":
         small16 = "wgmma-skinny"
-        if got == "wgmma-dual" and os.environ.get("KDTREE_MIXED") == "1":
-            mixed = "wgmma-dual+skinny"
     if got == "mma.sync-2stage" and os.environ.get("KDTREE_MMA_HALVES") != "0":
         small16 = small32 = "mma.sync-2stage-32row"
-    for sizes, expect in [(le16, small16), (le32, small32), (large, got), (remainder, mixed)]:
+    for sizes, expect in [(le16, small16), (le32, small32), (large, got)]:
         for b, t, h in sizes:
             assert ext.split_kernel(b, t, h) == expect, (b, t, h)

@@ -133,39 +133,36 @@ size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_head
 /* Validate, plan the split on the GPU (unless params->reuse_plan), run the split-K pass and the combine
  * on `stream`. Returns KDTREE_OK or an error status; nothing is launched when validation fails.
  * Every call leaves the plan in the workspace ready for reuse (the combine resets its work counter).
- * The split pass that runs (see kdtree_verify_call_kernel) is the dual-score wgmma kernel on compute
- * capability 9.0 when the build carries sm_90a code, else the mma.sync kernel: 3 key stages where a block
- * may take that much shared memory, 2 elsewhere (sm_120's 99 KB). Calls whose requests have few rows
- * (num_tokens a multiple of batch_size and num_heads * num_tokens / batch_size <= 16 beside the dual kernel,
- * <= 32 beside the 2-stage one; see kdtree_verify_call_kernel) run a kernel shaped for them: the skinny
- * kernel (16-row items, verify_skinny.cuh; KDTREE_SKINNY=0 turns it off) and the 2-stage kernel's 32-row
- * items with two score warps per row block (KDTREE_MMA_HALVES=0 turns them off). Beside the dual kernel, a call
- * whose requests' last 64-row tile has at most 16 rows (H16 N9: 64 + 64 + 16) runs that tile as skinny items on
- * some SMs while the dual kernel runs the full tiles on the others, when KDTREE_MIXED=1 (opt-in, never chosen: -3% at
- * H16 N9 with long prefixes in session 15, slower on every shape since session 29; H200).
- * The combine merges each row tile as soon as that tile's split items have stored their partials (it starts while the
- * split pass still runs; counters in the workspace, zeroed by the plan kernel and left zero by every call);
- * KDTREE_EARLY_COMBINE=0 (read once per device) makes it wait for the whole split pass instead.
- * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 its 2-stage
- * (sm_120) pipeline, so that code path can be measured and tested on an H100/H200; KDTREE_SPLIT_KERNEL=skinny runs
- * every call on the skinny kernel (correct for any rows: to test it). */
+ * The split pass that runs is the one kdtree_verify_call_kernel names; the combine merges each row tile as soon as
+ * that tile's split items have stored their partials (it starts while the split pass still runs). */
 int kdtree_verify_launch(const kdtree_verify_params* params, void* stream /* cudaStream_t */);
 
-/* The split kernel kdtree_verify_launch runs on the current device, into *kernel: 92 (sm_90a
- * wgmma, two score warpgroups), 93 (sm_90a skinny: 16-row items, KDTREE_SPLIT_KERNEL=skinny), 3 or 2 (mma.sync with
- * that many key stages).
+/* The split-K kernels (kdtree_verify_split_kernel, kdtree_verify_call_kernel). */
+typedef enum kdtree_split_kernel_id {
+  KDTREE_KERNEL_MMA_2STAGE = 1, /* mma.sync, 2 key stages: sm_120 (99 KB of shared memory per block) */
+  KDTREE_KERNEL_MMA_3STAGE = 2, /* mma.sync, 3 key stages: a 227 KB GPU without sm_90a code (KDTREE_SPLIT_KERNEL=mma) */
+  KDTREE_KERNEL_MMA_32ROW = 3,  /* the 2-stage pipeline with 32-row items: calls of <= 32 rows per request beside 1 */
+  KDTREE_KERNEL_DUAL = 4,       /* sm_90a wgmma, two score warpgroups and a producer: H100/H200 */
+  KDTREE_KERNEL_SKINNY = 5      /* sm_90a, 16-row items with the keys as the wgmma M: calls of <= 16 rows per request
+                                   beside 4 (every call under KDTREE_SPLIT_KERNEL=skinny) */
+} kdtree_split_kernel_id;
+
+/* The split kernel kdtree_verify_launch runs on the current device for calls of many rows per request, into
+ * *kernel (a kdtree_split_kernel_id): KDTREE_KERNEL_DUAL on compute capability 9.0 when the build carries sm_90a code,
+ * else the mma.sync kernel with 3 key stages where a block may take that much shared memory, 2 elsewhere (sm_120).
+ * Read once per device: KDTREE_SPLIT_KERNEL=mma forces the 3-stage mma.sync kernel and KDTREE_SPLIT_STAGES=2 the
+ * 2-stage one (the sm_120 code path, to measure and test it on an H100/H200); KDTREE_SPLIT_KERNEL=skinny runs every
+ * call on the skinny kernel (correct for any rows: to test it).
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 
-/* The split kernel a call of this batch size, token count and head count runs on the current device:
- * the device's (above), except that where it is 92 a call of num_heads * num_tokens / batch_size <= 16 rows per
- * request runs 93, the skinny kernel (KDTREE_SKINNY=0: never), one whose last 64-row tile per request has <= 16
- * rows runs 95, the dual kernel with that tile on the skinny one (only with KDTREE_MIXED=1), and
- * where it is 2 a call of <= 32 rows per request
- * runs 4, its 32-row shape (KDTREE_MMA_HALVES=0: never); a call whose num_tokens is not a multiple of batch_size
- * runs the device's kernel. The choice takes every request to have num_tokens / batch_size verify tokens (SGLang's
- * verify batches), so a request's result is the same, bit for bit, alone and in any batch of requests with its
- * token count; in a batch of mixed token counts it may differ at bf16 rounding from its result alone.
+/* The split kernel a call of this batch size, token count and head count runs on the current device: the device's
+ * (above), except that where it is KDTREE_KERNEL_DUAL a call of num_heads * num_tokens / batch_size <= 16 rows per
+ * request runs KDTREE_KERNEL_SKINNY (KDTREE_SKINNY=0: never), and where it is KDTREE_KERNEL_MMA_2STAGE a call of <= 32
+ * rows per request runs KDTREE_KERNEL_MMA_32ROW (KDTREE_MMA_HALVES=0: never); a call whose num_tokens is not a multiple
+ * of batch_size runs the device's kernel. The choice takes every request to have num_tokens / batch_size verify tokens
+ * (SGLang's verify batches), so a request's result is the same, bit for bit, alone and in any batch of requests with
+ * its token count; in a batch of mixed token counts it may differ at bf16 rounding from its result alone.
  * Returns KDTREE_OK or an error status (an invalid size as kdtree_verify_launch reports it). */
 int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel);
 

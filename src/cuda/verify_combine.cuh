@@ -70,8 +70,8 @@ __device__ __forceinline__ void spin_until_done(const int* done, int target) {
 }
 // The works of row r's tile: its rows times the slices of each (every one passes its tile wait once per call).
 __device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, int r, int slices) {
-  const int row0 = tile_row0(rp, prm.block_m, r);
-  const int rows = row0 < rp.rows_f ? min(prm.block_m, rp.rows_f - row0) : rp.n * prm.heads - rp.rows_f;
+  const int row0 = tile_row0(prm.block_m, r);
+  const int rows = min(prm.block_m, rp.n * prm.heads - row0);
   return rows * slices;
 }
 
@@ -96,11 +96,11 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
   long long tile = 0;
   int target = 0, seen = 0;
   if (early && tid == 0) {
-    tile = tile_done_index(rp, prm.heads, tile_row0(rp, prm.block_m, r));
+    tile = tile_done_index(rp, tile_row0(prm.block_m, r));
     target = nsplit * prm.done_arrivals;
     seen = ld_acquire_gpu(prm.tile_done + tile);
   }
-  const long long prow = partial_index(rp, prm.heads, r, grp);   // the group's first split (the next: kGroups on)
+  const long long prow = partial_index(rp, r, grp);   // the group's first split (the next: kGroups on)
   const float* lse = prm.partial_lse + prow;
   const __nv_bfloat16* src = prm.partial_o + prow * kDimNope + slice * kCols + lcol;
   const int left = nsplit - grp;                       // this group's splits: k * kGroups < left
@@ -222,7 +222,6 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   auto reset_work_counters = [&] {
     if (blockIdx.x == 0 && tid == 0) {
       prm.counter[0] = 0;
-      prm.counter[4] = 0;   // the skinny items' work counter (mixed calls)
     }
   };
   if (!early) reset_work_counters();
@@ -241,7 +240,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     if (slice >= max_slices) break;                                                 // block-uniform
     if (t < rp.qo_begin || t >= rp.qo_begin + rp.n) continue;                      // block-uniform
     const int r = (t - rp.qo_begin) * prm.heads + h;
-    const int nsplit = row_nsplit(rp, r);   // the row's own kind: split kernel rows or a skinny remainder's
+    const int nsplit = rp.nsplit;
     if (nsplit <= 1) continue;                                                      // block-uniform
     const int sl = combine_slices_log2(nsplit);
     if (slice >= (1u << sl)) continue;                                              // block-uniform

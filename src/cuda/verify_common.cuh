@@ -29,13 +29,6 @@ constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partia
 // (192 and 128 measured in sessions 4, 6, 18 and 34, PERF_LOG history 41, 52, 122, 192: H16 N9 P8192 -4 to -6% with
 // 43 splits instead of 33, B8 +0.4 to +3.7% from its 4k and 8k requests' extra items; a request's split count may
 // depend on its own length only, so the two cannot be had apart)
-// Mixed calls (ReqPlan): a last row tile of at most kMixedRemRows rows runs as skinny items of kMixedTileN-key tiles
-// (verify_skinny.cuh's kRows and kTileN, asserted there).
-#ifndef KDTREE_SKINNY_TILE   // the skinny kernel's tile (an experiment switch there)
-#define KDTREE_SKINNY_TILE 64
-#endif
-constexpr int kMixedRemRows = 16;
-constexpr int kMixedTileN = KDTREE_SKINNY_TILE;
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
@@ -58,22 +51,15 @@ static_assert(kMinChunk % kTileN == 0, "splits are whole tiles");
 // Per-request plan, written by the plan kernel, read by the split and combine kernels.
 struct ReqPlan {
   int item_begin;    // first work item of this request
-  int nsplit;        // splits of the key range
-  int chunk;         // keys per split (multiple of kTileN), last split may be shorter
+  int nsplit;        // splits of the key range (the chunked ones, then the drafts' own where they stand apart)
+  int chunk;         // keys per chunked split (multiple of the split kernel's tile), the last one may be shorter
   int mtiles;        // row tiles
   int qo_begin;      // first verify token (row of q / k_new / tree_mask / out)
   int n;             // verify tokens N
   int kv_begin;      // first entry of kv_indices
   int p;             // prefix length P
-  long long partial_row;  // first partial row (only when nsplit > 1 or nsplit_s > 1)
-  // A mixed call (Params::mixed, sm_90a): a request whose last row tile has <= 16 rows runs the other row tiles as
-  // the split kernel's items (rows [0, rows_f), mtiles tiles, nsplit splits) and that last tile as nsplit_s skinny
-  // items (verify_skinny.cuh, remainder mode, numbered from item_begin_s), which share its cells_s cells of 64 keys
-  // (rem_tile). Otherwise rows_f is every row and nsplit_s 0.
-  int rows_f;
-  int nsplit_s;
-  int cells_s;
-  int item_begin_s;
+  long long partial_row;  // first partial row (only when nsplit > 1)
+  int chunked;       // splits of `chunk` keys: over the P + N keys, or the P prefix keys where the drafts stand apart
 };
 
 struct Params {
@@ -102,11 +88,8 @@ struct Params {
   int block_m;        // rows per work item of the split kernel that runs (48 mma.sync, 64 wgmma, 16 skinny)
   int tile_n;         // keys per pipeline tile of that kernel (32; 64 skinny): splits are whole tiles
   long long max_partial_rows;
-  int mixed;          // remainder row tiles of <= 16 rows run as skinny items beside the split kernel (ReqPlan)
-  int split_target_s; // skinny items a long request's remainder tile is cut into (mixed calls)
   // workspace views
-  int* counter;       // [5]: dynamic work counter, total items, the combine's slice count (max over rows), total
-                      // skinny items and their work counter (mixed calls)
+  int* counter;       // [3]: dynamic work counter, total items, the combine's slice count (max over rows)
   const __nv_bfloat16* zero_row;  // [576] zeros: the source of keys past a split's end
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
@@ -131,6 +114,9 @@ struct Params {
   struct alignas(64) TmaMap { unsigned long long w[16]; };
   TmaMap q_map[2];
   int q_tma;
+  // The drafts form a split of their own (ReqPlan::chunked): set for e4m3 pools and for KV scales, where prefix keys
+  // are read and scaled differently from the bf16 drafts.
+  int drafts_apart;
 };
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {

@@ -11,20 +11,18 @@
 
 namespace kdtree {
 
-// ---------------------------------------------------------------------------------------------
-// The split pass.
-// ---------------------------------------------------------------------------------------------
 struct ItemCtx {
   ReqPlan rp;
   int split, mtile;
-  int row0, rows;        // first request-local row of this tile, valid rows in it (<= kBlockM)
+  int row0, rows;        // first request-local row of this tile, valid rows in it (<= the kernel's BlockM)
   int k0, k1;            // key range [k0, k1) of this split, keys >= p are drafts
   int ntiles;
 };
 
-// The work item `item` of the plan: its request, split, row tile and key range, for row tiles of
-// BlockM rows and key tiles of TileN keys (the split kernel's own sizes, as the plan used them).
-template <int BlockM, int TileN>
+// The work item `item` of the plan: its request, split, row tile and key range, for row tiles of BlockM rows and key
+// tiles of TileN keys (the split kernel's own sizes, as the plan used them). A kernel that serves calls whose drafts
+// stand apart (Params::drafts_apart) passes DraftsApart: a split past the chunked ones is the drafts' [p, p + n).
+template <int BlockM, int TileN, bool DraftsApart = false>
 __device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
   ItemCtx cx;
   cx.rp = prm.plan[owning_request(prm.batch, item, [&](int b) { return prm.plan[b].item_begin; })];
@@ -33,73 +31,35 @@ __device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
   cx.mtile = local - cx.split * cx.rp.mtiles;
   cx.row0 = cx.mtile * BlockM;
   cx.rows = min(BlockM, cx.rp.n * prm.heads - cx.row0);
-  cx.k0 = cx.split * cx.rp.chunk;
-  cx.k1 = min(cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
+  if (DraftsApart && cx.split >= cx.rp.chunked) {
+    cx.k0 = cx.rp.p;
+    cx.k1 = cx.rp.p + cx.rp.n;
+  } else {
+    cx.k0 = cx.split * cx.rp.chunk;
+    cx.k1 = min(DraftsApart && prm.drafts_apart ? cx.rp.p : cx.rp.p + cx.rp.n, cx.k0 + cx.rp.chunk);
+  }
   cx.ntiles = (cx.k1 - cx.k0 + TileN - 1) / TileN;
   return cx;
 }
 
-// The block's k-th work item: block i starts with item i (no atomic on the way to the first tile, session 10),
-// later ones come from the plan's counter (reset to 0 by the plan kernel and by every combine), after the
-// grid's first items.
-template <int Counter = 0>   // 4: the skinny remainder items of a mixed call
+// The block's k-th work item: block i starts with item i (no atomic on the way to the first tile), later ones come
+// from the plan's counter (reset to 0 by the plan kernel and by every combine), after the grid's first items.
 __device__ __forceinline__ int claim_item(const Params& prm, int k) {
-  return k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(prm.counter + Counter, 1);
+  return k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(prm.counter, 1);
 }
 
-// A request's plan read from L2 (ld.global.cg): the skinny kernel of a mixed call reads the plan without a
-// griddepcontrol.wait (it runs beside the split kernel, which waited for the plan kernel before it let it start).
-__device__ __forceinline__ ReqPlan load_plan_cg(const ReqPlan* src) {
-  static_assert(sizeof(ReqPlan) % 8 == 0 && alignof(ReqPlan) == 8, "whole 8-byte words");
-  unsigned long long v[sizeof(ReqPlan) / 8];
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(ReqPlan) / 8); ++i) v[i] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + i);
-  ReqPlan rp;
-  memcpy(&rp, v, sizeof(rp));
-  return rp;
-}
-
-// A mixed call's skinny item `item` (of the remainder row tiles, ReqPlan::item_begin_s): its request and index
-// among the request's nsplit_s. The request's keys are cut into cells: cell g is the (g / nsplit)-th 64-key tile of
-// the split kernel's split g % nsplit (cells_s of them, offset-major), and item j takes cells j, j + nsplit_s, ...
-// (rem_tile): at any time it reads the keys at about the offset that the split kernel's items are reading in each of
-// their splits, so the keys it shares with them come from L2 (session 15: one contiguous range per item, walked at
-// the split kernel's offsets over the two or three splits it spans, fell behind them and read ~35 ns per key, where
-// nine skinny items reading together had taken ~25).
-__device__ __forceinline__ ItemCtx item_ctx_rem(const Params& prm, int item) {
-  ItemCtx cx;
-  const int b = owning_request(prm.batch, item, [&](int q) { return __ldcg(&prm.plan[q].item_begin_s); });
-  cx.rp = load_plan_cg(prm.plan + b);
-  cx.split = item - cx.rp.item_begin_s;
-  cx.mtile = cx.rp.mtiles;
-  cx.row0 = cx.rp.rows_f;
-  cx.rows = cx.rp.n * prm.heads - cx.row0;
-  cx.k0 = 0;
-  cx.k1 = cx.rp.p + cx.rp.n;
-  cx.ntiles = (cx.rp.cells_s - cx.split + cx.rp.nsplit_s - 1) / cx.rp.nsplit_s;   // cells, some of them empty
-  return cx;
-}
 // End of split item cx, by one thread of the kernel after a barrier that follows every store of the item's partials
 // (its rows' partial O and log-sum-exp): the release that lets the combine read them (CUTLASS's generic barrier
 // pattern: the writers' barrier, then one thread's gpu-scope fence and relaxed add). Nothing for an unsplit tile, or
 // when done_arrivals is 0 (the combine then waits for the whole pass and reads no counter).
 __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCtx& cx) {
-  if (row_nsplit(cx.rp, cx.row0) <= 1 || prm.done_arrivals == 0) return;
-  int* const done = prm.tile_done + tile_done_index(cx.rp, prm.heads, cx.row0);
+  if (cx.rp.nsplit <= 1 || prm.done_arrivals == 0) return;
+  int* const done = prm.tile_done + tile_done_index(cx.rp, cx.row0);
   asm volatile("fence.acq_rel.gpu;\n"
                "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
 #ifdef KDTREE_EXP_TIMELINE
   atomicMax(&g_tile_rel[(done - prm.tile_done) % kStampTiles], global_ns());
 #endif
-}
-
-// Cell t of a remainder item: keys [kb, ke) (empty when kb >= ke: past the request's last key).
-__device__ __forceinline__ void rem_tile(const ItemCtx& cx, int t, int& kb, int& ke) {
-  const int g = cx.split + t * cx.rp.nsplit_s;
-  const int o = g / cx.rp.nsplit;
-  const int s0 = (g - o * cx.rp.nsplit) * cx.rp.chunk;
-  kb = s0 + o * kMixedTileN;
-  ke = min(min(kb + kMixedTileN, s0 + cx.rp.chunk), cx.k1);
 }
 
 // Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
@@ -267,7 +227,7 @@ __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[
 
 // The partial log2-sum-exp of tile row r of a split request's item (-inf for a row that saw no key).
 __device__ __forceinline__ void write_partial_lse(const Params& prm, const ItemCtx& cx, int H, int r, float m, float l) {
-  prm.partial_lse[partial_index(cx.rp, H, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
+  prm.partial_lse[partial_index(cx.rp, cx.row0 + r, cx.split)] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
 // The partial log2-sum-exps of a split item's rows r0 and r0 + 8 (those inside the tile), by the quad's thread c == 0.
@@ -319,9 +279,10 @@ __device__ __forceinline__ uint32_t stage_chunk(uint32_t stage, int r, int k) {
 // Where tile row r of the item goes: its partial row (split requests) or the output row.
 __device__ __forceinline__ __nv_bfloat16* result_row(const Params& prm, const ItemCtx& cx, int r) {
   const int rr = cx.row0 + r;
-  if (row_nsplit(cx.rp, rr) > 1) return prm.partial_o + partial_index(cx.rp, prm.heads, rr, cx.split) * kDimNope;
   const int n = rr / prm.heads, h = rr - n * prm.heads;
-  return prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
+  __nv_bfloat16* const partial = prm.partial_o + partial_index(cx.rp, rr, cx.split) * kDimNope;
+  __nv_bfloat16* const out = prm.out + (long long)(cx.rp.qo_begin + n) * prm.out_st + (long long)h * prm.out_sh;
+  return cx.rp.nsplit > 1 ? partial : out;
 }
 
 }  // namespace kdtree

@@ -94,7 +94,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   const long long by_rows = (long long)num_tokens * heads * split_target;
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
-  l.zero_row = align_up(5 * sizeof(int));   // the counters
+  l.zero_row = align_up(3 * sizeof(int));   // the counters
   l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
@@ -103,33 +103,6 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   l.total = l.tile_seen + align_up((size_t)l.max_partial_rows * sizeof(int));
   return l;
 }
-
-// Per device, once (benign race: idempotent values): SM count and the split kernel that runs there:
-// the dual-score wgmma kernel (verify_dual.cuh) on compute capability 9.0 when the build carries sm_90a
-// code, else the mma.sync kernel with 3 stages where a block may take that much shared memory, 2
-// otherwise (sm_120). KDTREE_SPLIT_KERNEL=mma forces the mma.sync kernel, KDTREE_SPLIT_STAGES=2 the
-// mma.sync kernel with its sm_120 depth: to measure and test those code paths on an H100/H200.
-// (Codes 90, 91, 94, 96, 97 and 98 were the wgmma, pingpong, trans, dual-pair, dual-srefill and seesaw kernels, each
-// measured slower than the dual kernel and removed in session 38: docs/PERF_LOG.md, "Removed kernels and switches".)
-enum SplitKernel { kMma2 = 2, kMma3 = 3, kDual = 92, kSkinny = 93, kMixed = 95 };
-// Not a device's kernel but per-call choices for calls whose requests cannot have many rows (call_kernel):
-// - kSkinny (verify_skinny.cuh: 16-row items, keys as the wgmma M) where the device runs kDual, for requests of
-//   at most 16 rows; KDTREE_SKINNY=0 turns that off (to measure the difference), KDTREE_SPLIT_KERNEL=skinny makes
-//   it the device's kernel for every call (correct for any rows: to test it);
-// - kMma2Halves where the device runs kMma2 (sm_120): the same pipeline with 32-row items and two score warps per
-//   row block (MmaHalves), for requests of at most 32 rows; KDTREE_MMA_HALVES=0 turns that off.
-constexpr int kMma2Halves = 4;
-// - kMixed where the device runs kDual, opt-in with KDTREE_MIXED=1 (session 15): calls whose requests' last row tile
-//   has at most 16 rows (H16 N9: 64 + 64 + 16) run that tile as skinny items (verify_skinny.cuh, Rem) on some SMs,
-//   beside the dual kernel's items of the full tiles on the others (ReqPlan::rows_f). Measured (H200, session 15):
-//   H16 N9 P131072 / P185000 -3% with 40 skinny SMs, but slower at short prefixes (P8192 +4%) and at H16 N33 / N65
-//   and H8 N9, and B8 by -2 to +3% with the SM count: the skinny items read a key in ~38 ns, not the ~25 of nine
-//   skinny items reading it together (history 108-109), so it is not the default. Session 29 (history 176, against
-//   the session-28 dual kernel): K = 41 (the model) +6.5% at H16 N9 P131072, 46 +3.8%, 34 +15.7%, 52 +11.9%; slower on
-//   every shape at every K.
-//   Session 30 (history 180) ran the same remainder items inside the dual kernel itself (KDTREE_MIXED=dual, commit
-//   ed8d503, removed): a remainder item costs ~0.9-1.0 of a full item per key there too (+7.8% at best).
-constexpr int kSkinnyRem = 5;   // the skinny kernel of a mixed call (split_launch only)
 
 // A split kernel with its block size and dynamic shared memory (what both the one-time configuration and every
 // launch need), and the shape of its work items, which the plan cuts them to (Params::block_m, tile_n).
@@ -141,28 +114,31 @@ struct SplitLaunch {
   int tile_n;    // keys per pipeline tile: splits are whole tiles
   // Params::done_arrivals: 1 (signal_item_done once per item, the combine merges each row tile as soon as it is
   // done), 0 (the split kernel signals nothing and the combine waits for the whole pass): the skinny kernel of small
-  // calls, whose combine blocks fit beside it, so that it lets them start before its wait for the plan (measured
-  // faster, session 17)
+  // calls, whose combine blocks fit beside it, so that it lets them start before its wait for the plan (~2 us faster
+  // at H16 N1 P131072, H200)
   int done_arrivals = 1;
 };
+// Kernel selection lives here and in device_info / call_kernel below: one entry per kdtree_split_kernel_id.
 SplitLaunch split_launch(int kernel) {
   using kdtree::kTileN;
-  if (kernel == kDual)
-    return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
-            kdtree::wg::kBlockM, kdtree::wg::kTileN};
-  if (kernel == kSkinny || kernel == kSkinnyRem)
-    return {kernel == kSkinny ? kdtree::sk::kdtree_verify_split_skinny_kernel<false>
-                              : kdtree::sk::kdtree_verify_split_skinny_kernel<true>,
-            kdtree::sk::kThreads, kdtree::sk::kSmemBytes, kdtree::sk::kRows, kdtree::sk::kTileN, kernel == kSkinny ? 0 : 1};
-  if (kernel == kMma2)
-    return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
-            kdtree::MmaWide::kBlockM, kTileN};
-  if (kernel == kMma2Halves)
-    return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
-            sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
-            kdtree::MmaHalves::kBlockM, kTileN};
-  return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
-          sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
+  switch (kernel) {
+    case KDTREE_KERNEL_DUAL:
+      return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
+              kdtree::wg::kBlockM, kdtree::wg::kTileN};
+    case KDTREE_KERNEL_SKINNY:
+      return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
+              kdtree::sk::kRows, kdtree::sk::kTileN, 0};
+    case KDTREE_KERNEL_MMA_2STAGE:
+      return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
+              kdtree::MmaWide::kBlockM, kTileN};
+    case KDTREE_KERNEL_MMA_32ROW:
+      return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
+              sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
+              kdtree::MmaHalves::kBlockM, kTileN};
+    default:   // KDTREE_KERNEL_MMA_3STAGE
+      return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
+              sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
+  }
 }
 
 // Opts the split kernel into its dynamic shared memory and reports how many of its blocks fit on one SM.
@@ -173,12 +149,10 @@ cudaError_t configure(const SplitLaunch& k, int* blocks) {
 }
 struct DeviceInfo {
   int sms;
-  int kernel;   // SplitKernel
-  bool pdl;     // programmatic dependent launch between the kernels of a call (sm_90+)
-  int small_kernel;  // the kernel of calls whose requests cannot exceed small_rows rows (kSkinny, kMma2Halves), or 0
+  int kernel;        // kdtree_split_kernel_id of calls of many rows per request
+  bool pdl;          // programmatic dependent launch between the kernels of a call (sm_90+)
+  int small_kernel;  // the kernel of calls whose requests cannot exceed small_rows rows (SKINNY, MMA_32ROW), or 0
   int small_rows;
-  bool mixed;        // kMixed calls (a last row tile of <= 16 rows as skinny items)
-  int mixed_sms;     // KDTREE_MIXED_SMS, read once: the skinny SMs of a mixed call, or -1 (unset: the model's)
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
 };
@@ -188,6 +162,9 @@ bool env_is(const char* name, const char* value) {
   return v && strcmp(v, value) == 0;
 }
 
+// Per device, once (benign race: idempotent values): SM count and the split kernel that runs there (the dual-score
+// wgmma kernel on compute capability 9.0 when the build carries sm_90a code, else the mma.sync kernel with 3 stages
+// where a block may take that much shared memory, 2 otherwise: sm_120), its small-call companion, and the switches.
 DeviceInfo device_info(int dev, int* status) {
   static DeviceInfo info[kMaxDevices];
   static bool configured[kMaxDevices];
@@ -199,16 +176,17 @@ DeviceInfo device_info(int dev, int* status) {
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) { *status = (int)e; return {}; }
-    int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kMma3 : kMma2;
+    int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? KDTREE_KERNEL_MMA_3STAGE
+                                                                                     : KDTREE_KERNEL_MMA_2STAGE;
 #ifdef KDTREE_HAVE_SM90A
     if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes && (size_t)optin >= kdtree::sk::kSmemBytes)
-      kernel = kDual;
+      kernel = KDTREE_KERNEL_DUAL;
 #endif
-    if (kernel == kDual) {
-      if (env_is("KDTREE_SPLIT_KERNEL", "mma")) kernel = kMma3;
-      if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = kSkinny;
+    if (kernel == KDTREE_KERNEL_DUAL) {
+      if (env_is("KDTREE_SPLIT_KERNEL", "mma")) kernel = KDTREE_KERNEL_MMA_3STAGE;
+      if (env_is("KDTREE_SPLIT_KERNEL", "skinny")) kernel = KDTREE_KERNEL_SKINNY;
     }
-    if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = kMma2;   // the sm_120 pipeline, wherever it runs
+    if (env_is("KDTREE_SPLIT_STAGES", "2")) kernel = KDTREE_KERNEL_MMA_2STAGE;   // the sm_120 pipeline, wherever it runs
     // registers and shared memory must admit one block per SM (a build with a different register
     // cap would otherwise fail at every launch with a bare "too many resources")
     int blocks = 0;
@@ -223,13 +201,13 @@ DeviceInfo device_info(int dev, int* status) {
     // the small-call kernel beside the device's (not fatal when it cannot be configured: the device's serves every call)
     int small_kernel = 0, small_rows = 0;
 #ifdef KDTREE_HAVE_SM90A
-    if (kernel == kDual && !env_is("KDTREE_SKINNY", "0")) {
-      small_kernel = kSkinny;
+    if (kernel == KDTREE_KERNEL_DUAL && !env_is("KDTREE_SKINNY", "0")) {
+      small_kernel = KDTREE_KERNEL_SKINNY;
       small_rows = kdtree::sk::kRows;
     }
 #endif
-    if (kernel == kMma2 && !env_is("KDTREE_MMA_HALVES", "0")) {
-      small_kernel = kMma2Halves;
+    if (kernel == KDTREE_KERNEL_MMA_2STAGE && !env_is("KDTREE_MMA_HALVES", "0")) {
+      small_kernel = KDTREE_KERNEL_MMA_32ROW;
       small_rows = kdtree::MmaHalves::kBlockM;
     }
     if (small_kernel) {
@@ -238,19 +216,9 @@ DeviceInfo device_info(int dev, int* status) {
       if (e != cudaSuccess) cudaGetLastError();
       if (e != cudaSuccess || sblocks < 1) small_kernel = small_rows = 0;
     }
-    // mixed calls (opt-in): their skinny kernel configured only when asked for, and a failure turns off only them
-    bool mixed = kernel == kDual && small_kernel == kSkinny && env_is("KDTREE_MIXED", "1");
-    if (mixed) {
-      int rblocks = 0;
-      e = configure(split_launch(kSkinnyRem), &rblocks);
-      if (e != cudaSuccess) cudaGetLastError();
-      mixed = e == cudaSuccess && rblocks >= 1;
-    }
-    const char* mixed_sms = getenv("KDTREE_MIXED_SMS");
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
-    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows, mixed,
-                           mixed_sms ? std::max(atoi(mixed_sms), 0) : -1, !env_is("KDTREE_EARLY_COMBINE", "0"),
-                           !env_is("KDTREE_Q_TMA", "0")};
+    info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows,
+                           !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0")};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -262,41 +230,31 @@ DeviceInfo device_info(int dev, int* status) {
 // SGLang's verify batches: then the choice is the same for a request alone and in any batch of requests with its
 // token count, and its result bit for bit (batch invariance). A call whose T is not a multiple of B runs the
 // device's kernel. Either kernel is correct for any batch; in a batch of mixed token counts whose T is a multiple
-// of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit).
-// (Session 12 first used the bound H x (T - B + 1), which moves with the batch size: H8 N2 alone ran the skinny
-// kernel and in a batch of three N2 requests the dual one.)
-// Mixed calls follow the same rule: the host takes every request to have T / B tokens.
+// of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit). (A bound
+// of H x (T - B + 1) instead would move with the batch size: H8 N2 alone would run one kernel and in a batch of three
+// N2 requests the other.)
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
   if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
-  if (rows <= dev.small_rows) return dev.small_kernel;
-  const long long rem = rows % kdtree::wg::kBlockM;
-  if (dev.mixed && rem > 0 && rem <= kdtree::kMixedRemRows) return kMixed;
-  return dev.kernel;
-}
-
-// The SMs of a mixed call: K for the skinny kernel, the rest for the dual one, in proportion to their work per key
-// (session 15, measured in mixed calls: a skinny 16-row item ~38 ns per key per SM, a dual 64-row item ~42; history 99's
-// ~25 for the skinny one held for nine of them reading each key together), for mt full row tiles per request:
-// 41 of 132 at H16 N9. KDTREE_MIXED_SMS=K (`set`, read once per device) sets K (an experiment switch).
-int mixed_skinny_sms(int sms, int mt, int set) {
-  const int k = set >= 0 ? set : (int)lround(sms * 38.0 / (38.0 + 42.0 * mt));
-  return std::min(std::max(k, 1), sms - 1);
+  return rows <= dev.small_rows ? dev.small_kernel : dev.kernel;
 }
 
 // The environment switches this library reads and the values each takes besides unset or empty (the default). Any
-// other value is KDTREE_ERR_ENV, so that a switch value this build no longer has (session 38 removed kernels that
-// KDTREE_SPLIT_KERNEL used to name) never runs the default silently. Checked once per process, before the device:
-// the message names the variable (kdtree_status_string).
+// other value is KDTREE_ERR_ENV, so that a switch value this build does not have never runs the default silently;
+// switches that builds no longer have (kRetiredSwitches) are refused by name for the same reason. Checked once per
+// process, before the device: the message names the variable (kdtree_status_string).
 struct EnvSwitch {
   const char* name;
   const char* values;   // the values it takes, ", "-separated, as the message lists them
 };
 constexpr EnvSwitch kEnvSwitches[] = {
-    {"KDTREE_SPLIT_KERNEL", "mma, skinny"}, {"KDTREE_SPLIT_STAGES", "2"},  {"KDTREE_SKINNY", "0, 1"},
-    {"KDTREE_MMA_HALVES", "0, 1"},          {"KDTREE_MIXED", "0, 1"},       {"KDTREE_PDL", "0, 1"},
-    {"KDTREE_EARLY_COMBINE", "0, 1"},       {"KDTREE_Q_TMA", "0, 1"},
+    {"KDTREE_SPLIT_KERNEL", "mma, skinny"}, {"KDTREE_SPLIT_STAGES", "2"},    {"KDTREE_SKINNY", "0, 1"},
+    {"KDTREE_MMA_HALVES", "0, 1"},          {"KDTREE_PDL", "0, 1"},           {"KDTREE_EARLY_COMBINE", "0, 1"},
+    {"KDTREE_Q_TMA", "0, 1"},
 };
+// KDTREE_MIXED ran a last row tile of <= 16 rows as skinny items beside the dual kernel (3-16% slower than the dual
+// kernel alone on every shape, H200); KDTREE_MIXED_SMS set how many SMs those took.
+constexpr const char* kRetiredSwitches[] = {"KDTREE_MIXED", "KDTREE_MIXED_SMS"};
 char g_env_message[256];   // the message of KDTREE_ERR_ENV (written once, before the status is first returned)
 bool env_value_listed(const char* value, const char* values) {
   const size_t n = strlen(value);
@@ -323,11 +281,10 @@ int check_env() {
         break;
       }
     }
-    if (s == KDTREE_OK) {   // KDTREE_MIXED_SMS: a number of SMs
-      const char* v = getenv("KDTREE_MIXED_SMS");
-      if (v && *v && strspn(v, "0123456789") != strlen(v)) {
-        snprintf(g_env_message, sizeof(g_env_message),
-                 "KDTREE_MIXED_SMS=%.64s is not a value this build takes (unset, or a number of SMs)", v);
+    for (const char* name : kRetiredSwitches) {
+      const char* v = getenv(name);
+      if (s == KDTREE_OK && v && *v) {
+        snprintf(g_env_message, sizeof(g_env_message), "%s=%.64s is not a switch this build has (unset it)", name, v);
         s = KDTREE_ERR_ENV;
       }
     }
@@ -542,19 +499,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
   const int call = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
-  const SplitLaunch split = split_launch(call == kMixed ? kDual : call);
+  const SplitLaunch split = split_launch(call);
   prm.block_m = split.block_m;
   prm.tile_n = split.tile_n;
-  prm.mixed = call == kMixed;
-  prm.split_target_s = 0;
-  unsigned split_blocks = sms, rem_blocks = 0;
-  if (prm.mixed) {
-    const int mt = p->num_heads * (p->num_tokens / p->batch_size) / split.block_m;   // full row tiles per request
-    rem_blocks = mixed_skinny_sms(sms, mt, dev.mixed_sms);
-    split_blocks = sms - rem_blocks;
-    prm.split_target = split_blocks;   // each kernel's items fill its own SMs
-    prm.split_target_s = rem_blocks;
-  }
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);
@@ -564,12 +511,11 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
   prm.tile_done = reinterpret_cast<int*>(ws + lay.tile_done);
   prm.tile_seen = reinterpret_cast<int*>(ws + lay.tile_seen);
-  // (a mixed call's skinny kernel signals as the dual one: once per item)
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  // (the dual kernel, alone or in a mixed call, reads them)
-  prm.q_tma = dev.q_tma && (call == kDual || call == kMixed) && build_q_maps(prm, p);
+  prm.q_tma = dev.q_tma && call == KDTREE_KERNEL_DUAL && build_q_maps(prm, p);   // (only the dual kernel reads them)
+  prm.drafts_apart = 0;
 
   const bool pdl = dev.pdl;
   // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
@@ -584,11 +530,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1 + pack_blocks, kdtree::kPlanThreads, 0, stream, pdl,
                              prm));
   }
-  KDTREE_TRY(launch_kernel(split.kernel, split_blocks, split.threads, split.smem, stream, pdl, prm));
-  if (rem_blocks) {   // beside it, on the SMs it leaves free (programmatic launch; serial without PDL, still correct)
-    const SplitLaunch rem = split_launch(kSkinnyRem);
-    KDTREE_TRY(launch_kernel(rem.kernel, rem_blocks, rem.threads, rem.smem, stream, pdl, prm));
-  }
+  KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
   // rows are few (and may need more slices)

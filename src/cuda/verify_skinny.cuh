@@ -34,33 +34,23 @@ using wg::kSlabDims;       // 64
 using wg::kChunksPerKey;   // 72 chunks of 16 bytes per key
 
 constexpr int kRows = 16;                          // rows per item: the wgmma N
-// Keys per tile (experiment switch, session 15): 64 (the wgmma M; 2 stages of 72 KB fit beside q), 48 (3 stages of
-// 54 KB) or 32 (4 of 36 KB). Below 64 the products still run as m64: S^T reads 64 key rows, the tile's TileN and then
-// the first 64 - TileN rows of the next slab (of the last slab: a zeroed pad after each stage, so no product reads a
-// buffer in flight), and the warps whose 16 rows lie past TileN take them as invisible; O^T takes TileN / 16 k-steps.
-constexpr int kTileN = KDTREE_SKINNY_TILE;   // (default 64: verify_kernel.cuh, beside the plan's kMixedTileN)
-static_assert(kTileN == 64 || kTileN == 48 || kTileN == 32, "64-, 48- or 32-key tiles");
-constexpr int kStages = kTileN == 64 ? 2 : kTileN == 48 ? 3 : 4;
+// 64 keys per tile, the wgmma M: 2 stages of 72 KB fit beside q. (48-key tiles with 3 stages and 32-key tiles with 4,
+// the products still m64 over a zero pad, and a second producer warpgroup were each measured slower, H200.)
+constexpr int kTileN = 64;
+constexpr int kStages = 2;
 constexpr int kMmaM = 64;                          // the wgmma M of both products
-constexpr int kValidWarps = kTileN / 16;           // warps whose S^T rows are keys of the tile
-// Experiment switch (session 12): threads of the producer (128: one warpgroup; 256: two)
-#ifndef KDTREE_SKINNY_PRODUCERS
-#define KDTREE_SKINNY_PRODUCERS 128
-#endif
 constexpr int kConsumerThreads = 128;
-constexpr int kProducerThreads = KDTREE_SKINNY_PRODUCERS;
+constexpr int kProducerThreads = 128;
 constexpr int kThreads = kConsumerThreads + kProducerThreads;   // consumer + producer warpgroups
-constexpr int kSlabBytes = kTileN * 128;           // 8,192 at 64 keys: one 64-dim slab of a tile
-constexpr int kTileBytes = kSlabs * kSlabBytes;    // 73,728 at 64 keys
-constexpr int kPadBytes = (kMmaM - kTileN) * 128;  // read by the last slab's S^T past the tile (zeros)
-constexpr int kStageBytes = kTileBytes + kPadBytes;
+constexpr int kSlabBytes = kTileN * 128;           // 8,192: one 64-dim slab of a tile
+constexpr int kTileBytes = kSlabs * kSlabBytes;    // 73,728
+constexpr int kStageBytes = kTileBytes;
 constexpr int kQSlabBytes = kRows * 128;           // 2,048
 constexpr int kPvSteps = kTileN / 16;              // 4
 constexpr int kVBlocks = kDimNope / kSlabDims;     // 8 blocks of 64 value dims
-static_assert(kProducerThreads % 128 == 0 && kProducerThreads <= 256, "whole producer warpgroups, at most two");
 constexpr int kBarConsumer = 1;                    // named barrier of the consumer warpgroup (0 is __syncthreads)
 
-static_assert(kMmaM == 64 && kRows == 16, "one wgmma m64n16k16 per k-step of either product");
+static_assert(kMmaM == 64 && kRows == 16 && kTileN == kMmaM, "one wgmma m64n16k16 per k-step of either product");
 
 struct Smem {
   unsigned char kv[kStages][kStageBytes];  // 147,456 at 64 keys: [stage][slab][key][128 B] + pad (1 KB boundary)
@@ -84,14 +74,6 @@ static_assert(kSlabBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (kSlabs * kQS
 using km::col_of;   // the accumulator mapping of kernels with the keys as the wgmma M (verify_wgmma.cuh)
 using km::col_q;
 
-static_assert(kRows == kMixedRemRows && kTileN == kMixedTileN, "the plan's remainder items are this kernel's");
-
-// Rem (a mixed call, Params::mixed): the kernel runs the remainder row tiles' skinny items (item_ctx_rem) beside the
-// split kernel, on the SMs that kernel leaves free: it is launched as that kernel's programmatic dependent, which lets
-// it start only once it has waited for the plan, so it reads the plan from L2 without a griddepcontrol.wait of its
-// own; that wait comes at its end instead (the split kernel's completion), so that the combine, which waits for this
-// kernel, also comes after the split kernel.
-template <bool Rem>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -100,11 +82,11 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   KDTREE_TIMELINE(2, 0);
   // the combine may be scheduled at once (and its blocks fit beside this kernel's): with small calls it waits for the
   // whole pass (SplitLaunch::done_arrivals 0; letting it start only after this wait, as the early combine would
-  // need, cost H16 N1 P131072 ~2 us, session 17); a mixed call's remainder kernel starts after the plan anyway
+  // need, cost H16 N1 P131072 ~2 us, session 17)
   grid_dependency_launch_dependents();
-  if constexpr (!Rem) grid_dependency_wait();   // the plan kernel's counter and plan
+  grid_dependency_wait();   // the plan kernel's counter and plan
   KDTREE_TIMELINE(2, 1);
-  const int total = Rem ? __ldcg(prm.counter + 3) : prm.counter[1];
+  const int total = prm.counter[1];
   const int H = prm.heads;
 
   if (tid == 0) {
@@ -118,20 +100,12 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
     }
     fence_proxy_async();
   }
-  if constexpr (kPadBytes > 0) {   // the pads are read by S^T (scores of no key): zeros, written once
-    constexpr int kPadChunks = kPadBytes > 0 ? kPadBytes / 16 : 1;
-    for (int i = tid; i < kStages * kPadChunks; i += kThreads) {
-      const int b = i / kPadChunks, o = i - b * kPadChunks;
-      *reinterpret_cast<uint4*>(&sm.kv[b][kTileBytes + o * 16]) = make_uint4(0, 0, 0, 0);
-    }
-    fence_proxy_async();   // read by wgmma (the async proxy)
-  }
   __syncthreads();
 
   // The block's k-th work item: the producer's first thread claims it (the producer runs up to one item ahead of
   // the consumer)
   auto fetch_item = [&](int k) {
-    return wg::fetch_item_ahead<Rem ? 4 : 0>(prm, k, tid, kConsumerThreads, sm.item, sm.item_full, sm.item_empty);
+    return wg::fetch_item_ahead(prm, k, tid, kConsumerThreads, sm.item, sm.item_full, sm.item_empty);
   };
 
   if (tid < kConsumerThreads) {
@@ -150,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         break;
       }
       KDTREE_SKSTART(k == 0 && tid == 0, 0);
-      const ItemCtx cx = Rem ? item_ctx_rem(prm, item) : item_ctx<kRows, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads);
       KDTREE_SKSTART(k == 0 && tid == 0, 1);
       cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
@@ -174,14 +148,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         for (int i = 0; i < 8; ++i) o[mb][i] = 0.f;
 
       for (int t = 0; t < cx.ntiles; ++t) {
-        // the tile's keys: [k0 + 64 t, k1), or a remainder item's cell t (empty cells are skipped by the producer too)
-        ItemCtx tcx = cx;
-        if constexpr (Rem) {
-          rem_tile(cx, t, tcx.k0, tcx.k1);
-          if (tcx.k0 >= tcx.k1) continue;
-        } else {
-          tcx.k0 = cx.k0 + t * kTileN;
-        }
+        ItemCtx tcx = cx;   // the tile's keys: [k0 + 64 t, k1)
+        tcx.k0 = cx.k0 + t * kTileN;
         const int b = seq % kStages;
         mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
         KDTREE_SKSTART(k == 0 && tid == 0 && t == 0, 3);
@@ -198,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int q = col_q(i);
-          s[i] = warp < kValidWarps && (plain || key_visible_n(prm, tcx, key0 + 8 * ((i >> 1) & 1), rn[q]))
+          s[i] = (plain || key_visible_n(prm, tcx, key0 + 8 * ((i >> 1) & 1), rn[q]))
                      ? s[i] * prm.scale_log2
                      : -INFINITY;
           cm[q] = fmaxf(cm[q], s[i]);
@@ -277,11 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         *reinterpret_cast<uint4*>(result_row(prm, cx, r) + ch * 8) =
             *reinterpret_cast<const uint4*>(&sm.stage[r * kDimNope + ch * 8]);
       }
-      if (row_nsplit(cx.rp, cx.row0) > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
-      if constexpr (Rem) {   // a mixed call's remainder: the early combine waits for its items too
-        bar_sync(kBarConsumer, kConsumerThreads);   // every partial of the item is stored
-        if (tid == 0) signal_item_done(prm, cx);
-      }
+      if (cx.rp.nsplit > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
 #ifdef KDTREE_EXP_TRACE
       KDTREE_SKSTART(k == 0 && tid == 0, 5);
       if (blockIdx.x == 0 && k == 0 && tid == 0) {   // (printed after the call, with the stamps: km::g_sk_start)
@@ -294,9 +258,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
     }
   } else {
     // =========================== producer warpgroup ===========================
-    km::key_producer<kRows, kTileN, kStages, kProducerThreads, Rem>(sm, prm, tid - kConsumerThreads, total, fetch_item);
+    km::key_producer<kRows, kTileN, kStages, kProducerThreads>(sm, prm, tid - kConsumerThreads, total, fetch_item);
   }
-  if constexpr (Rem) grid_dependency_wait();   // the split kernel's completion (see above)
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel
 #endif

@@ -232,12 +232,11 @@ __device__ __forceinline__ void tile_slots(const Params& prm, const ItemCtx& cx,
 // kernel): thread `claimer` claims it into slot[k % 2] once every thread has read that slot's previous item
 // (k - 2); every thread waits for it, reads it and gives the slot back. Mbarriers: full[i] 1 arrival (release),
 // empty[i] one arrival per thread of the block.
-template <int Counter = 0>
 __device__ __forceinline__ int fetch_item_ahead(const Params& prm, int k, int tid, int claimer, int (&slot)[2],
                                                 unsigned long long (&full)[2], unsigned long long (&empty)[2]) {
   if (tid == claimer) {
     if (k >= 2) mbar_wait(&empty[k & 1], ((k >> 1) - 1) & 1);
-    slot[k & 1] = claim_item<Counter>(prm, k);
+    slot[k & 1] = claim_item(prm, k);
     mbar_arrive(&full[k & 1]);
   }
   mbar_wait(&full[k & 1], (k >> 1) & 1);
@@ -417,7 +416,7 @@ __device__ int g_sk_item[3];   // block 0's first item, its tiles, 1 once record
 // threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
 // per key every sector crossed from L2 twice, history 95); it waits for a buffer's release on sm.empty, announces each
 // tile on sm.full once its copies have landed, and runs on into the next item (fetch_item) while the others end theirs.
-template <int Rows, int TileN, int Stages, int Threads, bool Rem = false, class SmemT, class Fetch>
+template <int Rows, int TileN, int Stages, int Threads, class SmemT, class Fetch>
 __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int pt, int total, Fetch fetch_item) {
   constexpr int kKeysPerPass = Threads / 8;
   constexpr int kPasses = TileN / kKeysPerPass;
@@ -432,51 +431,23 @@ __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int p
       return;
     }
     KDTREE_SKSTART(k == 0 && pt == 0, 6);
-    const ItemCtx cx = Rem ? item_ctx_rem(prm, item) : item_ctx<Rows, TileN>(prm, item);
-    // tile t of the item as a one-tile context (a remainder item's cells: rem_tile; empty ones are skipped by both
-    // sides alike)
-    auto tile = [&](int t, ItemCtx& tc) {
-      tc = cx;
-      if constexpr (Rem) {
-        rem_tile(cx, t, tc.k0, tc.k1);
-        tc.ntiles = t < cx.ntiles && tc.k0 < tc.k1 ? 1 : 0;
-        return 0;
-      }
-      return t;
-    };
-    auto next_cell = [&](int t) {
-      ++t;
-      if constexpr (Rem) {
-        ItemCtx tc;
-        while (t < cx.ntiles && (tile(t, tc), tc.ntiles == 0)) ++t;
-      }
-      return t;
-    };
+    const ItemCtx cx = item_ctx<Rows, TileN>(prm, item);
     long long slot[kPasses];
-    int t = next_cell(-1);
-    {
-      ItemCtx tc;
-      const int tt = tile(t, tc);
 #pragma unroll
-      for (int r = 0; r < kPasses; ++r) slot[r] = wg::tile_key_slot<TileN>(prm, tc, tt, kq + r * kKeysPerPass);
-    }
-    for (; t < cx.ntiles; ++seq) {
+    for (int r = 0; r < kPasses; ++r) slot[r] = wg::tile_key_slot<TileN>(prm, cx, 0, kq + r * kKeysPerPass);
+    for (int t = 0; t < cx.ntiles; ++t, ++seq) {
       const int b = seq % Stages;
-      const int tn = next_cell(t);
-      ItemCtx tc, tcn;
-      const int tt = tile(t, tc), ttn = tile(tn, tcn);
       long long next[kPasses];   // one tile ahead: their latency hides in the wait and the copies
 #pragma unroll
-      for (int r = 0; r < kPasses; ++r) next[r] = wg::tile_key_slot<TileN>(prm, tcn, ttn, kq + r * kKeysPerPass);
+      for (int r = 0; r < kPasses; ++r) next[r] = wg::tile_key_slot<TileN>(prm, cx, t + 1, kq + r * kKeysPerPass);
       mbar_wait(&sm.empty[b], ((seq / Stages) & 1) ^ 1u);   // the buffer's previous tile consumed (none at first)
 #pragma unroll
       for (int r = 0; r < kPasses; ++r)
-        wg::copy_key_chunks<TileN>(smem_u32(&sm.kv[b][0]), prm, tc, tt, kq + r * kKeysPerPass, cc, slot[r]);
+        wg::copy_key_chunks<TileN>(smem_u32(&sm.kv[b][0]), prm, cx, t, kq + r * kKeysPerPass, cc, slot[r]);
       wg::arrive_when_landed(&sm.full[b]);
       KDTREE_SKSTART(k == 0 && pt == 0 && seq < 2, 7 + (int)seq);
 #pragma unroll
       for (int r = 0; r < kPasses; ++r) slot[r] = next[r];
-      t = tn;
     }
   }
 }

@@ -28,6 +28,13 @@ cdef extern from "kdtree_verify.h" nogil:
         KDTREE_ERR_NUM_HEADS
         KDTREE_ERR_NO_DEVICE
 
+    ctypedef enum kdtree_split_kernel_id:
+        KDTREE_KERNEL_MMA_2STAGE
+        KDTREE_KERNEL_MMA_3STAGE
+        KDTREE_KERNEL_MMA_32ROW
+        KDTREE_KERNEL_DUAL
+        KDTREE_KERNEL_SKINNY
+
     ctypedef struct kdtree_verify_params:
         const void* q_nope
         int64_t q_nope_stride_t
@@ -92,17 +99,17 @@ def compiled_archs():
     return kdtree_compiled_archs().decode("ascii")
 
 
-_KERNEL_NAMES = {92: "wgmma-dual", 93: "wgmma-skinny", 95: "wgmma-dual+skinny",
-                 3: "mma.sync-3stage", 2: "mma.sync-2stage", 4: "mma.sync-2stage-32row"}
+_KERNEL_NAMES = {KDTREE_KERNEL_MMA_2STAGE: "mma.sync-2stage", KDTREE_KERNEL_MMA_3STAGE: "mma.sync-3stage",
+                 KDTREE_KERNEL_MMA_32ROW: "mma.sync-2stage-32row", KDTREE_KERNEL_DUAL: "wgmma-dual",
+                 KDTREE_KERNEL_SKINNY: "wgmma-skinny"}
 
 
 def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
     """The split kernel that runs on the current device: ``"wgmma-dual"`` or ``"wgmma-skinny"`` (sm_90a; the second
     only under KDTREE_SPLIT_KERNEL=skinny), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
-    runs the dual kernel and no request can exceed 16 rows, ``"wgmma-dual+skinny"`` there, with KDTREE_MIXED=1, when
-    each request's last 64-row tile has at most 16 rows: that tile as skinny items beside the dual kernel, ``"mma.sync-2stage-32row"``
-    where it runs the 2-stage kernel and no request can exceed 32 rows). Raises KdtreeError when no device is usable."""
+    runs the dual kernel and no request can exceed 16 rows, ``"mma.sync-2stage-32row"`` where it runs the 2-stage
+    kernel and no request can exceed 32 rows). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
     cdef int status
     sizes = (batch_size, num_tokens, num_heads)
