@@ -21,7 +21,7 @@ FLOOR_NOTE = ("floor = max(KV bytes / 4.23 TB/s, FLOPs / 773 TFLOP/s), the H200'
 
 
 def gpu_slug(gpu: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA RTX PRO 6000 Blackwell Server Edition' -> 'rtx-pro-6000-blackwell-server-edition'."""
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
     name = re.sub(r"^nvidia\s+", "", gpu.strip(), flags=re.I).lower()
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# One device-machine session: build for the GPU at hand, then the stages asked for, logs under $OUT.
-#   bash benchmarks/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
-# (sglang: SGLang's Triton kernel as the baseline in bench; layer: the patched forward_extend per layer)
-# (mmatests: the kernel tests on the non-default split kernels: mma.sync 2 / 3 stages, the skinny kernel for every
-#  call, the mixed path, the dual kernel for small calls)
-# Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (no network);
-# carry .carry (SGLang device bundle) and .whl (pytest wheels, used only if pytest is missing).
-# The device tool brings back only a handful of files from $OUT (session 14: 8 came back, the rest were "left out"), so
-# the stages that write many logs archive them into one.
+# Everything a GPU machine run needs, in one script: build for the GPU at hand, then the stages asked for, logs
+# under $OUT (the benchmark's JSON for benchmarks/report.py among them).
+#   bash tools/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
+# - build: ci/build_gpu.sh (this GPU's architecture, spills are errors), then `python -m kdtree info`
+# - test: the GPU tests (ci/test_gpu.sh)
+# - sanitize: compute-sanitizer memcheck / racecheck / synccheck on tools/sanitize_case.py's cases, and synccheck on
+#   every other split kernel
+# - bench: benchmarks/bench.py (quick: three shapes; smallrows: the <= 16-row shapes too; sglang: SGLang's Triton
+#   kernel beside it; layer: benchmarks/bench_sglang_layer.py; sm120path: the mma.sync 2-stage code path again)
+# - mmatests: the kernel tests on the non-default split kernels (mma.sync 2 / 3 stages, the skinny kernel for every
+#   call, the dual kernel for small calls)
+# - ncu / ncusrc: Nsight Compute of one call's kernels / per-instruction stall samples of the split kernel
+# Needs on that machine: nvcc, cmake, ninja, cython, scikit-build-core, torch, triton (it has no network); carry
+# .carry (the SGLang bundle, activated if present) and .whl (pytest wheels, used only if pytest is missing).
+# Stages that write many logs archive them into one file: the device tool brings back only a few files from $OUT.
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kdtree-out}
 mkdir -p "$OUT"
 stages=" $* "
 has() { [[ "$stages" == *" $1 "* ]]; }
-log() { echo "[session $(date +%H:%M:%S)] $*"; }
+log() { echo "[device $(date +%H:%M:%S)] $*"; }
 
 nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 if ! python3 -c "import pytest" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -50,8 +57,6 @@ if has mmatests; then   # the kernel tests on the other code paths (mma.sync: th
   KDTREE_SPLIT_KERNEL=mma python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SPLIT_KERNEL=skinny (sm_90a, 16-row items, for every call)"
   KDTREE_SPLIT_KERNEL=skinny python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
-  log "kernel tests, KDTREE_MIXED=1 (a last row tile of <= 16 rows as skinny items beside the dual kernel)"
-  KDTREE_MIXED=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
   log "kernel tests, KDTREE_SKINNY=0 (small calls on the dual kernel)"
   KDTREE_SKINNY=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi
@@ -59,16 +64,17 @@ if has sanitize; then
   for tool in memcheck racecheck synccheck; do
     for c in small split many reuse n1; do
       log "compute-sanitizer $tool $c"
-      compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py $c > "/tmp/sanitize_${tool}_${c}.log" 2>&1
+      compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize_case.py $c > "/tmp/sanitize_${tool}_${c}.log" 2>&1
       echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "/tmp/sanitize_${tool}_${c}.log" | tr '\n' ' ')"
       grep -E "Error|hazard|Race|at 0x" "/tmp/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
     done
   done
-  # synccheck on every other split kernel (barrier use differs per kernel; session 20 found role-divergent bar.sync)
-  for k in STAGES=2 KERNEL=mma KERNEL=skinny MIXED=1; do
+  # synccheck on every other split kernel: each kernel uses its barriers its own way, and synccheck is what finds a
+  # named barrier that two roles wait on from different instructions
+  for k in STAGES=2 KERNEL=mma KERNEL=skinny; do
     log "compute-sanitizer synccheck split, KDTREE_SPLIT_$k"
-    var=KDTREE_SPLIT_$k; [ "$k" = MIXED=1 ] && var=KDTREE_$k
-    env "$var" compute-sanitizer --tool synccheck --error-exitcode 9 python3 benchmarks/sanitize_case.py split \
+    var=KDTREE_SPLIT_$k
+    env "$var" compute-sanitizer --tool synccheck --error-exitcode 9 python3 tools/sanitize_case.py split \
       > "/tmp/sanitize_synccheck_${k/=/_}.log" 2>&1
     echo "rc=$? $(grep -E 'ERROR SUMMARY|rel err' "/tmp/sanitize_synccheck_${k/=/_}.log" | tr '\n' ' ')"
   done
@@ -90,7 +96,7 @@ if has ncusrc; then   # per-instruction warp-stall samples of the split kernel a
       > "$OUT/ncusrc.log" 2>&1
   ncu -i /tmp/kdtree_split.ncu-rep --page source --csv --print-source sass > /tmp/split_source.csv 2>> "$OUT/ncusrc.log"
   ncu -i /tmp/kdtree_split.ncu-rep --page details > "$OUT/ncusrc_details.txt" 2>&1
-  python3 benchmarks/ncu_source.py /tmp/split_source.csv 40 | tee "$OUT/ncusrc.txt"
+  python3 tools/ncu_source.py /tmp/split_source.csv 40 | tee "$OUT/ncusrc.txt"
   gzip -c /tmp/split_source.csv > "$OUT/split_source.csv.gz"
 fi
 log done

@@ -4,10 +4,10 @@ the `many` batch twice on one Workspace, the second call on the first one's plan
 split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape);
 `pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks);
 `balanced`: H128 N9, two requests of 18 row tiles whose split rule adds a short split on 132 SMs (8 splits, 9,216
-partial rows each: above 132 x 64, the workspace's bound before session 36).
+partial rows each: more than 132 x 64, so the workspace must allow each request its own rows beyond the grid's).
 
-    compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py split
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py small
+    compute-sanitizer --tool memcheck  python tools/sanitize_case.py split
+    compute-sanitizer --tool racecheck python tools/sanitize_case.py small
 Exits non-zero if the result is off the reference, so a sanitizer run also checks the numbers.
 """
 import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Writes docs/ptxas_resources.txt: registers, spills and shared memory of every kernel, for the
 # default architectures (sm_90a, sm_120), from the compiler alone (no GPU needed).
-#   bash benchmarks/ptxas_report.sh > docs/ptxas_resources.txt
+#   bash tools/ptxas_report.sh > docs/ptxas_resources.txt
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -15,7 +15,6 @@ for arch in 90a 120; do
     | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
               s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb0EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<small calls>/; \
-              s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb1EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<remainder tiles, KDTREE_MIXED=1>/; \
               s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel/; \
               s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
               s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
@@ -37,9 +36,8 @@ CU
 nvcc -std=c++17 --expt-relaxed-constexpr -Isrc/cuda "$tmp/sz.cu" -o "$tmp/sz" && "$tmp/sz"
 echo "On sm_120 only the 2-stage kdtree_verify_split_kernel runs (48 rows; 32 rows x 2 key halves for calls of <= 32-row"
 echo "requests); the sm_90a kernels (dual, skinny) and the 3-stage mma.sync kernel are __trap() stubs there. On sm_90a the skinny"
-echo "kernel runs calls of <= 16-row requests (and, only with KDTREE_MIXED=1, its remainder instantiation a last row tile of"
-echo "<= 16 rows beside the dual kernel, session 15); the mma.sync kernels only when KDTREE_SPLIT_KERNEL=mma or"
+echo "kernel runs calls of <= 16-row requests; the mma.sync kernels only when KDTREE_SPLIT_KERNEL=mma or"
 echo "KDTREE_SPLIT_STAGES=2 ask for them (to test the sm_120 code path on an H100/H200), or in a build without sm_90a."
 echo "kdtree_verify_split_dual_kernel's 96 registers are its launch allocation (640 threads: a producer warpgroup beside the"
-echo "two score and two value ones, session 25); setmaxnreg then gives its producer 48, its score warpgroups 56 and its value"
+echo "two score and two value ones); setmaxnreg then gives its producer 48, its score warpgroups 56 and its value"
 echo "warpgroups 160 (verify_dual.cuh; ptxas checks each region: no spills)."

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # A/B of compile-time variants against the default build, on a GPU machine (no network), logs under $OUT.
-#   KDTREE_AB_VARIANTS="KDTREE_DUAL_LAZY_RESCALE=0 KDTREE_MIN_CHUNK=192" bash benchmarks/ab_variants.sh
+#   KDTREE_AB_VARIANTS="KDTREE_DUAL_LAZY_RESCALE=0 KDTREE_MIN_CHUNK=192" bash tools/ab_variants.sh
 # Each variant is one or more macro definitions joined by "+" (e.g. "KDTREE_A=1+KDTREE_B=2"); a part ENV:NAME=VALUE is
 # an environment variable set for that variant's tests and runs only, not a macro (e.g.
-# "KDTREE_X=1+ENV:KDTREE_MIXED=1"). The script
+# "KDTREE_X=1+ENV:KDTREE_SPLIT_STAGES=2"). The script
 # - builds the default (ci/build_gpu.sh, installed) and every variant (pip --target /tmp/kd_ab<i>, its own build tree)
 #   side by side;
 # - runs the kernel's GPU tests on every variant (KDTREE_AB_TESTS=0 skips them), in parallel;
 # - times the shapes of KDTREE_AB_ONLY (bench.py --only substrings) for the default and each variant in turn,
 #   KDTREE_AB_ROUNDS times (default 2; the order reversed every other round, so that drift shows), and prints one
 #   line per run and a table of each variant's mean against the default's.
-# Compare variants only within one run of this script (the spread between runs is 1-3%: docs/PERF_LOG.md).
+# Compare variants only within one run of this script: on the H200 the same build moves 1-3% between machines and
+# runs (docs/performance.md, "How the numbers are taken").
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kdtree-out}
 mkdir -p "$OUT"
@@ -31,8 +33,8 @@ for i in "${!variants[@]}"; do
   ( python3 -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/kd_ab$i" . -C "build-dir=/tmp/build_ab$i" \
       -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/ab_build_$i.log" 2>&1
     echo "variant $i (${variants[$i]}) build rc=$?" ) &
-  # (a variant whose wgmma ptxas serialises is timed all the same, but says so: benchmarks/wgmma_check.sh)
-  if [ "$arch" = 90 ]; then ( bash benchmarks/wgmma_check.sh $flags | sed "s/^/variant $i: /" ) & fi
+  # (a variant whose wgmma ptxas serialises is timed all the same, but says so: tools/wgmma_check.sh)
+  if [ "$arch" = 90 ]; then ( bash tools/wgmma_check.sh $flags | sed "s/^/variant $i: /" ) & fi
 done
 wait
 grep -q "built and installed" "$OUT/ab_build_default.log" || { echo "the default build failed:"; tail -20 "$OUT/ab_build_default.log"; exit 1; }

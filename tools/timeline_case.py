@@ -1,19 +1,19 @@
 """When each kernel of one call starts, gets past its programmatic-launch wait and ends, replayed in a
-CUDA graph as SGLang runs verify (a profiling aid: build with -DKDTREE_EXP_TIMELINE, e.g.
-KDTREE_EXPERIMENTS=TIMELINE bash benchmarks/experiments.sh).
+CUDA graph as SGLang runs verify (a profiling aid for a TIMELINE build: tools/README.md).
 
-    python benchmarks/timeline_case.py 131072 1 8192 9     # (prefix, N) pairs, H=16
-    python benchmarks/timeline_case.py --separate-mask 131072 9   # the mask packed by its own kernel first
+    python tools/timeline_case.py 131072 1 8192 9     # (prefix, N) pairs, H=16
+    python tools/timeline_case.py --separate-mask 131072 9   # the mask packed by its own kernel first
 
 The combine kernel's last block prints one line per call: for mask pack, plan, split and combine the
 microseconds from the call's first kernel start to (first block start, first block past
 griddepcontrol.wait, last block end); each replay runs alone (synchronised), KV partly in L2.
 """
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import verify_call  # noqa: E402
 
 separate = "--separate-mask" in sys.argv[1:]

@@ -2,7 +2,7 @@
 where it goes: what an eager step (no CUDA graph) pays per layer on top of the GPU work.
 
 Run on a GPU machine with SGLang importable (`source .carry/sglang/activate` there):
-    python benchmarks/layer_host.py [--prefix 8192] [--calls 300]
+    python tools/layer_host.py [--prefix 8192] [--calls 300]
 Prints the host microseconds per call of the whole patched call, of the original's and of each
 stage of the patched path (timed alone, same inputs), then the functions with the most host time
 (cProfile, own time) over the patched calls.
@@ -12,16 +12,36 @@ import cProfile
 import os
 import pstats
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from host_timing import host_us, sync  # noqa: E402  (benchmarks/)
 from sglang_harness import build_case, parallel_context  # noqa: E402
 
 import kdtree.sglang_patch as patch  # noqa: E402
 from kdtree import layout, ops  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_us(fn, calls=300):
+    """(host microseconds per call: the loop's wall time with no synchronisation inside it, microseconds per call
+    until the GPU is done with the loop's work), after min(20, calls) warm-up calls."""
+    for _ in range(min(20, calls)):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
 def main():

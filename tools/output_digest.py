@@ -1,20 +1,21 @@
 """Digests of kdtree's output on the benchmark shapes, for comparing two builds bit for bit (a GPU machine).
 
-    python benchmarks/output_digest.py > a.txt                       # the installed build
-    PYTHONPATH=/tmp/kd_ab0 python benchmarks/output_digest.py > b.txt # a variant (benchmarks/ab_variants.sh)
+    python tools/output_digest.py > a.txt                       # the installed build
+    PYTHONPATH=/tmp/kd_ab0 python tools/output_digest.py > b.txt # a variant (tools/ab_variants.sh)
     diff a.txt b.txt && echo bit-identical
 
-Every shape of bench.py (--small-rows included) on the same seeded inputs; one line per shape: its name, the SHA-256 of
-the output's bytes, and the relative L2 error against the float32 reference of the first call (which says the digest is of
-a correct output, not only of an equal one). A second call on the same inputs must give the same bytes
+Every shape of benchmarks/bench.py (--small-rows included) on the same seeded inputs; one line per shape: its name, the
+SHA-256 of the output's bytes, and the relative L2 error against the float32 reference of the first call (which says the
+digest is of a correct output, not only of an equal one). A second call on the same inputs must give the same bytes
 (determinism); a shape whose two calls differ says so.
 """
 import hashlib
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import shapes, verify_call  # noqa: E402
 
 from kdtree.reference import verify_attention_reference  # noqa: E402

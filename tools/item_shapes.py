@@ -1,30 +1,30 @@
 """Shared-memory and tensor-core work per key of the split pass's item shapes at one request shape, from arithmetic
-alone (no GPU): the count behind docs/PERF_LOG.md's "Where it stands (session 38)" and its next step 0-s38.
+alone (no GPU): the count behind docs/performance.md's "What would move the rest".
 
-On the H200 the dual kernel's split pass is bound by shared memory, not by a saturated unit elsewhere: ncu puts
-shared memory at ~75-83% of its peak on the long H16 N9 shapes and the tensor pipe at ~57% (PERF_LOG history 177,
-205). wgmma reads its B operand (and an SS A operand) from shared memory on every instruction, the gathered keys
-are written there, and P goes through it. This script counts those bytes per key for each item shape, turns them
-into SM clocks at 128 B per clock, compares that with the tensor clocks of the same work (dense bf16 wgmma: 4,096
-FLOP per clock per SM), and calibrates the fraction of the shared-memory peak that the default kernel reaches from
-its measured split-pass cycles, so that the other shapes' times are projections at the same efficiency.
+On the H200 the dual kernel's split pass is bound by shared memory, not by a saturated unit elsewhere: ncu puts shared
+memory at ~75-83% of its peak on the long H16 N9 shapes and the tensor pipe at ~57%. wgmma reads its B operand (and an
+SS A operand) from shared memory on every instruction, the gathered keys are written there, and P goes through it. This
+script counts those bytes per key for each item shape, turns them into SM clocks at 128 B per clock, compares that with
+the tensor clocks of the same work (dense bf16 wgmma: 4,096 FLOP per clock per SM), and calibrates the fraction of the
+shared-memory peak that the default kernel reaches from its measured split-pass cycles, so that the other shapes' times
+are projections at the same efficiency.
 
-    python benchmarks/item_shapes.py [--heads 16] [--tokens 9] [--prefix 131072]
+    python tools/item_shapes.py [--heads 16] [--tokens 9] [--prefix 131072]
 
 Shapes (the rows of one request are H x N; "crossings": how many SMs receive each key):
 - dual:  the default (verify_dual.cuh): 64-row items with the rows as the wgmma M, 32-key tiles, q from shared
          memory (S = Q K^T, m64n32k16 SS), P V as m64n128k16 halves with P from shared memory; one item per 64 rows,
          the last padded.
 - trans72: rows as the wgmma N, keys as M (S^T = K Q^T and O^T = V^T P^T, m64n72k16), 72-row items, 64-key tiles
-         (counted in session 33; does not fit 227 KB of shared memory with a useful key ring).
+         (does not fit 227 KB of shared memory with a useful key ring).
 - pairdim: a cluster of two CTAs per key range, each with every row of the request (rows as N, no padding), split by
          dims: CTA 0 computes the partial S over dims [0, 288) and O for values [0, 256), CTA 1 S over [288, 576) and
          values [256, 512); each gathers only the dims it reads and sends its fp32 partial S^T to the other through
-         distributed shared memory (session 38's count; not built).
+         distributed shared memory (counted, not built).
 "fits one SM": shared memory within 227 KB (1 KB kept for barriers) and accumulators within REG_SHARE of the register
-file, a first check only: how the accumulators split into whole warpgroups under setmaxnreg decides (PERF_LOG 0-s38).
-None of these numbers is a measurement except the calibration row (history 177: the default's split kernel at H16
-N9 P131072, 181,657 cycles).
+file, a first check only: how the accumulators split into whole warpgroups under setmaxnreg decides
+(docs/performance.md). None of these numbers is a measurement except the calibration row (ncu of the default's split
+kernel at H16 N9 P131072 on the H200: 181,657 cycles).
 """
 
 import argparse
@@ -35,10 +35,10 @@ TENSOR_FLOP_PER_CLK = 4096        # dense bf16 wgmma per SM per clock (989 TFLOP
 SMS = 132
 SMEM_LIMIT = 232448               # bytes a block may take on sm_90
 REGS = 65536                      # 32-bit registers per SM
-MEASURED_SPLIT_CYCLES = 181657    # the dual kernel's split pass, H16 N9 P131072 (ncu, session 29, history 177)
-MEASURED_CLOCK_GHZ = 1.70         # SM clock under that load (PERF_LOG: 1.68-1.70; the power cap)
-FIXED_US = 8.0                    # plan + combine + launches around the split pass (history 186-187, 205)
-COPY_TBS = 4.23                   # the H200's measured copy rate (PERF.md): the DRAM floor of reading each key once
+MEASURED_SPLIT_CYCLES = 181657    # the dual kernel's split pass, H16 N9 P131072 (ncu --set full, H200)
+MEASURED_CLOCK_GHZ = 1.70         # SM clock under that load (ncu: 1.68-1.70, under the power cap)
+FIXED_US = 8.0                    # plan + combine + launches around the split pass (timeline of the call, H200)
+COPY_TBS = 4.23                   # the H200's measured copy rate (docs/performance.md): each key read once from DRAM
 REG_SHARE = 0.75                  # accumulators may take at most this share of the register file (the rest: addresses,
                                   # softmax, the producer; the dual kernel's O takes 50%)
 
@@ -46,7 +46,7 @@ D_QK, D_V = 576, 512
 
 
 def dual(rows):
-    """64-row items, 32-key tiles: bytes per 32-key tile per item, as session 26 counted them (history 159)."""
+    """64-row items, 32-key tiles: bytes per 32-key tile per item (docs/design.md, "The key ring")."""
     items = math.ceil(rows / 64)
     s_a = 64 * D_QK * 2           # q, A of S (SS), read once per tile: 72 KB
     s_b = 32 * D_QK * 2           # the tile's keys, B of S: 36 KB

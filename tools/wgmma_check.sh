@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Does ptxas serialise the wgmma of any sm_90a kernel under these compile flags? (CPU only, ~20 s)
-#   bash benchmarks/wgmma_check.sh -DKDTREE_EXP_TRACE
+#   bash tools/wgmma_check.sh -DKDTREE_EXP_TRACE
 # Prints one line: "wgmma not serialised" or the kernels' count and the first reason, and exits 1 in the second case;
-# either line also names the default dual kernel's spills if it has any (session 23: the TRACE build of the 96-register
-# score warpgroups spills P's store offsets in the tile loop, so its per-tile times run long; not an exit code).
-# ptxas reports it as an info line (C7510 / C7515 / C7518 / C7520), which pip's quiet builds and --warning-as-error
-# do not show: sessions 2-21 traced kernels whose TRACE build serialised them (docs/PERF_LOG.md history 143).
+# either line also names the dual kernel's spills if it has any (a profiling build that spills in the tile loop runs
+# its tiles long, so its trace is not the real kernel's; not an exit code).
+# ptxas reports serialised wgmma as an info line (C7510 / C7515 / C7518 / C7520), which pip's quiet builds and
+# --warning-as-error do not show; a printf in a kernel (a function call) is enough to cause it.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)

@@ -1,14 +1,16 @@
-"""A model of how the split kernel's persistent blocks take work items (no GPU; session 10, PERF_LOG history 83-84).
+"""How the split kernel's persistent blocks take work items (a model), and the split rule's Python mirror (no GPU).
 
-    python benchmarks/sim_schedule.py [--per-tile-us 1.67] [--start-us 5] [--chained-start-us 1]
+    python tools/sim_schedule.py [--per-tile-us 1.67] [--start-us 5] [--chained-start-us 1]
+    python tools/sim_schedule.py --shapes     # the split rule with and without its balance on the uneven shapes
 
-Builds the plan of bench.py's B8 ragged batch (H16 N9, 64-row items, 32-key tiles, 132 SMs, the plan kernel's
-split rule) and plays the items through 132 blocks: each item costs a start-up plus its tiles x a per-tile time.
-Prints the makespan for (a) claim-at-end (a block claims its next item when it finishes one, item i first on block
-i), (b) claim-ahead with chained items (a block claims its next item when it starts one, and the next item's start
-costs less), (c) like (b) with the items numbered longest first and (d) chained items claimed a few tiles before the
-running item ends. Measured (call 8 of session 10) the chaining saved less than this model says: (c) predicts -7%
-against (a), the device gave -1.4% at B8.
+`split_shape` is src/cuda/verify_split_rule.h line for line; tests/test_split_rule.py compiles the header for the host
+and checks the two against each other and against this model. The default mode builds the plan of benchmarks/bench.py's
+B8 ragged batch (H16 N9, 64-row items, 32-key tiles, 132 SMs) and plays the items through 132 blocks, each item
+costing a start-up plus its tiles x a per-tile time. It prints the makespan for (a) claim-at-end (a block claims its
+next item when it finishes one, item i first on block i: what the kernels do), (b) claim-ahead with chained items (a
+block claims its next item when it starts one, and the next item's start costs less), (c) like (b) with the items
+numbered longest first and (d) chained items claimed a few tiles before the running item ends. The model is
+optimistic about chaining: (c) predicts -7% against (a) at B8, a chained kernel measured -1.4% on the H200.
 """
 import argparse
 import heapq
@@ -106,8 +108,8 @@ UNEVEN = [(128, 9, 32768), (32, 9, 131072), (16, 33, 131072), (16, 65, 131072)]
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--per-tile-us", type=float, default=1.67)   # B8's rate (ncu, session 10)
-    ap.add_argument("--start-us", type=float, default=5.0)       # an item's start (trace, session 10)
+    ap.add_argument("--per-tile-us", type=float, default=1.67)   # B8's per-tile time on the H200 (ncu)
+    ap.add_argument("--start-us", type=float, default=5.0)       # an item's start on the H200 (clock64 trace)
     ap.add_argument("--chained-start-us", type=float, default=1.0)
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--shapes", action="store_true",

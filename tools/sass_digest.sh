@@ -4,7 +4,7 @@
 # nvcc call), disassembles it and prints one line per kernel and architecture: arch, md5 of its instructions
 # (addresses and encodings stripped), instruction count, mangled name. Two trees whose lines agree run the same
 # kernels: the check for a refactor that must not change what runs (compare with `diff`).
-#   bash benchmarks/sass_digest.sh [extra nvcc flags...] > digests.txt
+#   bash tools/sass_digest.sh [extra nvcc flags...] > digests.txt
 # Needs cuobjdump: the CUDA toolkit's, or the copy that the triton / nvidia-cuda-cuobjdump wheels carry.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -3,7 +3,7 @@
     ncu --clock-control none --set full --import-source no --kernel-name regex:split --launch-skip 3 \
         --launch-count 1 -o /tmp/split python3 benchmarks/bench.py --no-sglang --only "H16 N9 tree P131072"
     ncu -i /tmp/split.ncu-rep --page source --csv --print-source sass > split_source.csv
-    python benchmarks/ncu_source.py split_source.csv [top]
+    python tools/ncu_source.py split_source.csv [top]
 Prints the instructions with the most warp-stall samples, each with its largest stall reasons, then
 the samples summed per opcode (HGMMA, SYNCS, BAR, LDGSTS, ...): which instruction the warps wait at,
 and for what.
