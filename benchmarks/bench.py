@@ -1,11 +1,11 @@
-"""kdtree vs SGLang's Triton extend kernel on the PERF.md shape set, in one process, same inputs.
+"""kdtree vs SGLang's Triton extend kernel on the benchmark's shape set, in one process, on the same inputs.
 
-Run on a GPU machine (SGLang importable: `source .carry/sglang/activate` on the device machine):
-    python benchmarks/bench.py --out results.json [--quick] [--no-sglang]
-Writes one JSON record per shape; benchmarks/report.py turns it into the Markdown table and plot.
+Run on a GPU machine (SGLang importable; on the device machine `source .carry/sglang/activate` first):
+    python benchmarks/bench.py --out bench.json [--quick] [--no-sglang] [--small-rows]
+Writes one JSON record per shape; benchmarks/report.py turns it into docs/results/<gpu>_<date>.md and .png.
 
-Conventions (PERF.md): CUDA-event medians after warm-up (triton.testing.do_bench), the whole kdtree
-call timed (mask rebuild + plan + split + combine), a pool several times larger than L2 with shuffled
+Conventions (docs/performance.md): CUDA-event medians after warm-up (triton.testing.do_bench), the whole kdtree
+call timed (mask packing + plan + split + combine), a pool several times larger than L2 with shuffled
 slots, random data, floors from the measured H200 ceilings.
 """
 
@@ -27,9 +27,9 @@ from kdtree import _ext  # noqa: E402
 from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q  # noqa: E402
 from kdtree.synthetic import make_verify_batch  # noqa: E402
 
-MEM_BW = 4.23e12        # B/s, measured copy bandwidth (PERF.md)
-MMA_WGMMA = 773e12      # FLOP/s, cuBLAS bf16 (PERF.md floor convention)
-MMA_SYNC = 640e12       # FLOP/s, mma.sync m16n8k16 register-only loop (PERF.md)
+MEM_BW = 4.23e12        # B/s, the H200's measured copy bandwidth (docs/performance.md)
+MMA_WGMMA = 773e12      # FLOP/s, the H200's cuBLAS bf16 matmul (the floor's compute rate)
+MMA_SYNC = 640e12       # FLOP/s, the H200's mma.sync m16n8k16 register-only loop
 BYTES_PER_KEY = 576 * 2
 FLOP_PER_ROW_KEY = 2 * (576 + 512)
 MIN_POOL_SLOTS = 262_144  # 302 MB of bf16 latent rows: several times the 50-60 MB L2
@@ -78,10 +78,9 @@ def sglang_extend():
 
 
 def verify_call(prefixes, heads, n, seed, separate_mask=False, **batch_kw):
-    """A benchmark batch on the GPU and the timed calls on it: (batch, out, kd, layer). kd() rebuilds the tree
-    mask from SGLang's custom_mask and runs kdtree.verify_attention into out (the whole verify call; since
-    session 19 the call packs the mask in its plan kernel, as kdtree.sglang_patch does on a pass's first layer;
-    separate_mask: kdtree.build_tree_mask's pack kernel first, then the call, as before);
+    """A benchmark batch on the GPU and the timed calls on it: (batch, out, kd, layer). kd() is the whole verify
+    call: kdtree.verify_attention into out, packing SGLang's custom_mask in its plan kernel, as kdtree.sglang_patch
+    does on a pass's first layer (separate_mask: kdtree.build_tree_mask's pack kernel first, then the call);
     layer() is the per-layer call of the SGLang integration, which packs the mask once per forward pass
     (kdtree.sglang_patch reuses it for every later layer): plan, split and combine on a mask packed here."""
     b = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=seed,
@@ -192,7 +191,7 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated substrings: keep shapes whose name has one")
     ap.add_argument("--small-rows", action="store_true", help="add shapes of <= 16 rows per request")
     ap.add_argument("--separate-mask", action="store_true",
-                    help="the whole call packs the mask with build_tree_mask's kernel first (before session 19)")
+                    help="the whole call packs the mask with build_tree_mask's kernel first")
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()

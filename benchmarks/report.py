@@ -1,20 +1,35 @@
-"""Turn benchmark JSON (benchmarks/bench.py, bench_sglang_layer.py) into the committed Markdown table
-and the PNG plot of time against prefix length.
+"""The report step: benchmark JSON in, the committed results of one GPU out (docs/results/<gpu>_<date>.json, .md, .png).
 
-    python benchmarks/report.py benchmarks/results/h200_2026-11-29_wgmma.json \
-        [--layer benchmarks/results/h200_2026-11-29_forward_extend.json] \
-        [--alt benchmarks/results/h200_2026-11-29.json --alt-label "mma.sync 3-stage us"] --md out.md --png out.png
---alt adds a column of graph-replay times from another run of bench.py (another kernel, another path).
-Needs matplotlib only for --png.
+    python benchmarks/report.py bench.json --layer layer.json            # a run of bench.py (+ bench_sglang_layer.py)
+    python benchmarks/report.py bench.json --alt bench_2stage.json --alt-label "sm_120 code path us"
+    python benchmarks/report.py docs/results/h200_2026-12-03.json        # regenerate the table and plot from it
+
+The JSON written next to the table holds everything the table and plot are made from (bench.py's environment and
+records, the layer rows, the extra column), so the last form rebuilds them alone. The name comes from the GPU and the
+date of the run (`--name` overrides it); `--out-dir` changes the folder. The plot needs matplotlib; without it the
+table and JSON are written and the plot is left as it is.
 """
 import argparse
 import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOOR_NOTE = ("floor = max(KV bytes / 4.23 TB/s, FLOPs / 773 TFLOP/s), the H200's measured copy and bf16 matmul rates "
+              "(docs/performance.md)")
 
 
-def table(d, other=None, other_label="2-stage (sm_120 path) us"):
+def gpu_slug(gpu: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
+    name = re.sub(r"^nvidia\s+", "", gpu.strip(), flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def table(d):
     env = d["env"]
-    alt = {r["name"]: r for r in (other["results"] if other else [])}
-    per_call = any("split_kernel" in r for r in d["results"])   # the kernel each call ran (bench.py since session 12)
+    alt = d.get("alt")
+    per_call = any("split_kernel" in r for r in d["results"])   # the kernel each call ran
     lines = [
         f"Device: {env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"triton {env['triton']}, sglang {env['sglang']}, kdtree {env['kdtree']}, {env['date']}"
@@ -22,7 +37,7 @@ def table(d, other=None, other_label="2-stage (sm_120 path) us"):
         "",
         "| shape | kdtree us (eager) | kdtree us (graph) | KV GB/s | TFLOP/s | floor us | % of floor "
         "| SGLang Triton us | speed-up | rel. diff vs SGLang | graph, mask reused (per layer) us |"
-        + (" split kernel |" if per_call else "") + (f" {other_label} |" if alt else ""),
+        + (" split kernel |" if per_call else "") + (f" {alt['label']} |" if alt else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if per_call else "") + ("---|" if alt else ""),
     ]
     for r in d["results"]:
@@ -34,13 +49,13 @@ def table(d, other=None, other_label="2-stage (sm_120 path) us"):
         if per_call:
             row += f" {r.get('split_kernel', '')} |"
         if alt:
-            a = alt.get(r["name"])
-            row += f" {a['kdtree_graph_us']:.1f} |" if a else " |"
+            a = alt["graph_us"].get(r["name"])
+            row += f" {a:.1f} |" if a is not None else " |"
         lines.append(row)
-    lines += ["", "GB/s, TFLOP/s, % of floor and speed-up use the graph-replay time (the whole call: mask rebuild, "
-              "plan, split, combine), as SGLang runs verify under CUDA graphs; floor = max(KV bytes / 4.23 TB/s, "
-              "FLOPs / 773 TFLOP/s) (PERF.md). \"Graph, mask reused\" is the per-layer call of the SGLang "
-              "integration, which packs the tree mask once per forward pass: plan, split, combine."]
+    lines += ["", "GB/s, TFLOP/s, % of floor and speed-up use the graph-replay time (the whole call: mask, plan, split, "
+              f"combine), as SGLang runs verify under CUDA graphs; {FLOOR_NOTE}. \"Graph, mask reused\" is the "
+              "per-layer call of the SGLang integration, which packs the tree mask once per forward pass: plan, split, "
+              "combine."]
     return "\n".join(lines)
 
 
@@ -62,8 +77,33 @@ def layer_table(rows):
     return "\n".join(lines)
 
 
+def document(d, name):
+    env = d["env"]
+    parts = [
+        f"# kdtree on the {env['gpu']}, {env['date']}",
+        "",
+        "Written by `benchmarks/report.py` from `" + name + ".json` (`benchmarks/bench.py`, "
+        "`benchmarks/bench_sglang_layer.py`). B=1, H=16, N=9, random tree, bf16 KV with page size 1 and shuffled slots "
+        "in a 302 MB pool unless the shape says otherwise; CUDA-event medians; SGLang's Triton `extend_attention_fwd` "
+        "on the same inputs in the same process.",
+        "",
+        "## Every shape",
+        "",
+        table(d),
+    ]
+    if d.get("layer"):
+        parts += ["", "## The patched SGLang layer (`TritonAttnBackend.forward_extend`, KV save included)", "",
+                  layer_table(d["layer"])]
+    parts += ["", f"Plot: `{name}.png` (time against prefix length at H=16, N=9: kdtree, SGLang Triton and the floor)."]
+    return "\n".join(parts) + "\n"
+
+
 def plot(d, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"report.py: no matplotlib, {path} not written", file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in d["results"] if r["name"].startswith("H16 N9 tree P") and "contiguous" not in r["name"]]
@@ -85,28 +125,38 @@ def plot(d, path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("bench")
-    ap.add_argument("--layer")
-    ap.add_argument("--alt", "--sm120", dest="alt", help="another bench.py JSON: one more column")
-    ap.add_argument("--alt-label", default="2-stage (sm_120 path) us")
-    ap.add_argument("--md")
-    ap.add_argument("--png")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bench", help="bench.py's JSON, or a JSON this script wrote")
+    ap.add_argument("--layer", help="bench_sglang_layer.py's JSON")
+    ap.add_argument("--alt", help="another bench.py JSON (another kernel or code path): one more column")
+    ap.add_argument("--alt-label", default="sm_120 code path us")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "results"))
+    ap.add_argument("--name", help="file name without extension (default: <gpu>_<date>)")
     a = ap.parse_args()
-    d = json.load(open(a.bench))
-    other = json.load(open(a.alt)) if a.alt else None
-    text = table(d, other, a.alt_label)
+    with open(a.bench) as f:
+        d = json.load(f)
     if a.layer:
-        text += "\n\n" + layer_table(json.load(open(a.layer)))
-    if a.md:
-        open(a.md, "w").write(text + "\n")
-    else:
-        print(text)
-    if a.png:
-        plot(d, a.png)
+        with open(a.layer) as f:
+            d["layer"] = json.load(f)
+    if a.alt:
+        with open(a.alt) as f:
+            other = json.load(f)
+        d["alt"] = dict(label=a.alt_label, graph_us={r["name"]: r["kdtree_graph_us"] for r in other["results"]})
+    name = a.name or f"{gpu_slug(d['env']['gpu'])}_{d['env']['date']}"
+    os.makedirs(a.out_dir, exist_ok=True)
+    base = os.path.join(a.out_dir, name)
+    if os.path.abspath(a.bench) != os.path.abspath(base + ".json") or a.layer or a.alt:
+        with open(base + ".json", "w") as f:
+            json.dump(d, f, indent=1)
+            f.write("\n")
+    with open(base + ".md", "w") as f:
+        f.write(document(d, name))
+    wrote = plot(d, base + ".png")
+    print(f"report.py: {base}.json, .md" + (", .png" if wrote else ""))
 
 
 if __name__ == "__main__":

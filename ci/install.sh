@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# --no-cache-dir: no second copy of each wheel in pip's cache (triton alone is ~1 GB installed; a CI run once
-# failed for want of disk while downloading it)
+# --no-cache-dir: no second copy of each wheel in pip's cache (triton alone is ~1 GB installed, and a runner's disk can
+# run out while pip downloads it)
 pip_install() { python -m pip install --disable-pip-version-check --no-cache-dir "$@"; }
 step() { echo "== ci/install.sh: $* (${SECONDS}s)"; }
 
@@ -22,7 +22,7 @@ pip_install -r requirements/test.txt
 
 step "kdtree: pip install . (CMake + nvcc build of the CUDA library and the Cython module)"
 build_start=$SECONDS
-pip_install ".[test]" -C cmake.define.KDTREE_SPILLS_ARE_ERRORS=ON   # no kernel may spill (issue #3)
+pip_install ".[test]" -C cmake.define.KDTREE_SPILLS_ARE_ERRORS=ON   # a spill in any kernel, on any architecture, fails CI
 echo "== ci/install.sh: kdtree built and installed in $((SECONDS - build_start))s"
 
 python -c "import kdtree._verify as v; print('kdtree._verify', v.__file__, 'archs', v.compiled_archs())"

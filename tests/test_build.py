@@ -216,7 +216,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("name, value, ok", [
-    ("KDTREE_SPLIT_KERNEL", "pingpong", False),   # a kernel session 38 removed: an error, never the default silently
+    ("KDTREE_SPLIT_KERNEL", "pingpong", False),   # a kernel this build does not have: an error, never the default
     ("KDTREE_SPLIT_KERNEL", "mma", True),
     ("KDTREE_SPLIT_KERNEL", "", True),
     ("KDTREE_SPLIT_STAGES", "3", False),

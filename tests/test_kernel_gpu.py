@@ -150,7 +150,7 @@ def _rising_scores(batch, prefix, split=0.85):
 
 @pytest.mark.parametrize("tokens", [1, 9, 33])
 def test_rising_and_jumping_row_maxima(tokens):
-    # the lazy reference maximum (KDTREE_DUAL_LAZY_RESCALE, KDTREE_MMA_LAZY_RESCALE; session 27): a row keeps its
+    # the lazy reference maximum (KDTREE_DUAL_LAZY_RESCALE, KDTREE_MMA_LAZY_RESCALE): a row keeps its
     # reference while its maximum rises by less than tau, so P reaches up to 2^tau for many tiles, and moves it when a
     # tile's maximum is far above (here, the 8-10x scaled keys after 85% of the prefix, in some split's middle)
     prefix = 40000

@@ -1,6 +1,6 @@
 """The plan kernel's split rule (src/cuda/verify_split_rule.h), compiled for the host (CPU only, no GPU).
 
-The rule is checked against its Python mirror in benchmarks/sim_schedule.py over a grid of shapes, and that mirror's
+The rule is checked against its Python mirror in tools/sim_schedule.py over a grid of shapes, and that mirror's
 plans are played through the model of the persistent grid (claim at end, an item costing its tiles plus the rule's
 item cost): the balanced plan is never slower in that model, is faster on the benchmark's uneven shapes, is the base
 rule where the row tiles divide the grid, and stays inside the workspace's partial-row bounds (verify_launch.cu).
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("sim_schedule", ROOT / "benchmarks" / "sim_schedule.py")
+_spec = importlib.util.spec_from_file_location("sim_schedule", ROOT / "tools" / "sim_schedule.py")
 sim = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sim)
 
@@ -137,5 +137,5 @@ def test_the_gpu_tests_balanced_shapes_are_balanced(prefixes, heads, n):
     for p in prefixes:
         base = sim.split_shape(p + n, mtiles, 132, balance=False)
         assert sim.split_shape(p + n, mtiles, 132, balance=True)[0] == base[0] + 1
-    if heads == 128:   # above the workspace's bound before session 36 (132 x 64 partial rows a request)
+    if heads == 128:   # more partial rows than 132 x 64: the workspace bound counts each request's own rows too
         assert (sim.split_shape(prefixes[0] + n, mtiles, 132)[0]) * heads * n > 132 * 64

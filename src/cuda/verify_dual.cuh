@@ -1,29 +1,30 @@
 // verify_dual.cuh: the sm_90a split pass ("dual"), the default on H100/H200: the same work items (64-row tiles, 32-key
-// tiles), plan, partials and combine as the mma.sync kernel (verify_kernel.cuh); shared pieces in verify_wgmma.cuh.
+// tiles), plan, partials and combine as the mma.sync kernel (verify_mma.cuh); shared pieces in verify_wgmma.cuh.
 //
-// Five warpgroups, 640 threads, one block per SM (numbers: docs/PERF_LOG.md):
+// Five warpgroups, 640 threads, one block per SM (the measurements behind each choice: docs/design.md):
 // - Score warpgroups s = 0, 1 own alternate tiles t = s, s + 2, ...: S_t = Q K_t^T (36 wgmma m64n32k16, both operands
 //   in shared memory), the tile's row maxima, then the running maxima: each waits for m_{t-1}, published by the other
 //   score warpgroup on m_full as soon as that tile's maxima were known (before its P), publishes m_t the same way, and
 //   computes P_t and alpha_t into its own P buffer (p[s], 64-byte swizzle) for the value warpgroups (p_full[s] release
 //   / acquire, named barrier kBarPFull + s for the wake-up; p_empty[s] gives the buffer back). Two score warpgroups so
-//   that one runs its softmax while the other's S is on the tensor cores (session 9: a single score warpgroup's softmax
-//   waited behind its own wgmma issue). Each keeps the row sums of its own tiles relative to its own latest reference;
-//   score warpgroup 1 hands its sums to warpgroup 0 at the end of the item (l_full), which merges them.
+//   that one runs its softmax while the other's S is on the tensor cores (one score warpgroup's softmax waits behind
+//   its own wgmma issue: 4-6% slower on every shape, H200). Each keeps the row sums of its own tiles relative to its
+//   own latest reference; score warpgroup 1 hands its sums to warpgroup 0 at the end of the item (l_full), which
+//   merges them.
 // - Value warpgroups v = 0, 1 (columns [256 v, 256 v + 256) of all 64 rows, 128 fp32 per thread): for every tile in
 //   order, O = alpha_t O + P_t V_t, as two wgmma m64n128k16 per k-step (a kernel of 512 or more threads caps ptxas at
 //   128 registers for one instruction, and m64n256k16 needs 154).
-// - The producer warpgroup (session 25) gathers every key tile into a ring of 4 buffers as soon as both value
+// - The producer warpgroup gathers every key tile into a ring of 4 buffers as soon as both value
 //   warpgroups are done with a buffer (empty[b]); each tile announces itself on full[b] once its copies have landed.
 // - setmaxnreg: the launch gives 96 registers a thread (640 threads, whole warpgroups); then score 56 (16 scores, q
 //   from shared memory), value 160 (152 spills), producer 48.
-// - A lazy reference maximum (session 27, after FlashAttention-4's conditional rescale): a row's reference moves only
+// - A lazy reference maximum (after FlashAttention-4's conditional rescale): a row's reference moves only
 //   when its maximum exceeds it by more than tau = KDTREE_DUAL_LAZY_RESCALE (log2 units), so P <= 2^tau and alpha is
 //   exactly 1 in almost every tile; the value warpgroups then skip O's rescale. The result is the same up to rounding.
-// The choices below were each measured against their alternatives (PERF_LOG history 139-178); the alternatives that
-// were measured slower are listed, with the commit that holds each, in docs/PERF_LOG.md, "Removed kernels and
-// switches". In short: the ring's chain (land, S, softmax, P V, release, refill through four buffers) sets the period,
-// and shared memory, which q (72 KB) and the four buffers (144 KB) fill, is the busiest unit (~75% of its peak).
+// The choices below were each measured against their alternatives on the H200; the alternatives measured slower are
+// in docs/performance.md, "What was tried and measured slower". In short: the ring's chain (land, S, softmax, P V,
+// release, refill through four buffers) sets the period, and shared memory, which q (72 KB) and the four buffers
+// (144 KB) fill, is the busiest unit (~75% of its peak).
 #pragma once
 
 #include "verify_wgmma.cuh"
@@ -55,8 +56,8 @@ static_assert(2 * (kValueRegs - kLaunchRegs) <= 2 * (kLaunchRegs - kScoreRegs) +
               "register pool");
 constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)
 // The producer gathers tiles 0 .. kQFirst - 1 of an item, then waits until the item's q has landed before it asks for
-// the rest of the ring, so that q and the first tiles are not queued behind the whole ring (session 8, history 68;
-// 4 measured again with q by TMA in session 21, no gain: history 136).
+// the rest of the ring, so that q and the first tiles are not queued behind the whole ring (H200: -0.3 to -3.7 us on
+// six shapes against asking for the whole ring at once; with q by TMA, 4 and 2 measure the same).
 constexpr int kQFirst = 2;
 static_assert(kQFirst >= 1 && kQFirst <= kStages, "tiles asked for before q has landed: 1 .. kStages");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
@@ -69,8 +70,8 @@ constexpr int kBarValues = 4;   // the two value warpgroups: the item's O rows s
 constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
 
 // tau of the lazy reference maximum (0: the reference is every tile's running maximum, O rescaled whenever it moves).
-// Measured (H200, session 27, A/B within one run): tau 8 -1.9% at H16 N9 P131072, -3.1% P185000, -3.3% H128 N9
-// P32768, -4.5% B8, -2.4% P8192.
+// Measured (H200, A/B within one run): tau 8 -1.9% at H16 N9 P131072, -3.1% P185000, -3.3% H128 N9 P32768, -4.5% B8,
+// -2.4% P8192.
 #ifndef KDTREE_DUAL_LAZY_RESCALE
 #define KDTREE_DUAL_LAZY_RESCALE 8
 #endif
@@ -109,7 +110,7 @@ static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 
     if (blockIdx.x == 0 && lane == 0 && k < wg::trace::kItems && t < wg::trace::kTiles)     \
       wg::trace::g_tile[0][k][t][e] = (unsigned)(clock64() - t_item);                       \
   } while (0)
-// the start of block 0's first item, in SM clocks (session 20): score thread 0's item start, q copies issued, its q
+// the start of block 0's first item, in SM clocks: score thread 0's item start, q copies issued, its q
 // landed, both score warpgroups' q landed; value thread 0's item start; the producer's tile 0 issued, (6) its wait for
 // q, the whole ring issued
 __device__ long long g_start[8];
@@ -139,8 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
   const int wrow = (warp & 3) * 16;   // rows of this warp within the tile
   KDTREE_TIMELINE(2, 0);
   grid_dependency_wait();   // the plan kernel's counter and plan
-  // after the wait: in a mixed call the next kernel is the skinny one, which reads the plan as soon as it starts
-  // (verify_skinny.cuh, Rem)
+  // after the wait: the combine reads the plan as soon as it starts
   grid_dependency_launch_dependents();
   KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
       // (the item index goes out on an mbarrier: with __syncthreads between the store and the loads, racecheck
-      // reported the pair as a race, history 53)
+      // reports the pair as a race)
       const int item = wg::fetch_item(prm, k, tid, sm.item, &sm.item_full);
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
@@ -183,9 +183,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
 #endif
       KDTREE_DSTART(tid == 0, 0);
 
-      // q of the item: nine TMA boxes (64 rows x one 64-column slab each) from one thread (session 20: the 256 score
-      // threads' 4,608 16-byte copies took ~7,900 clocks to issue beside the first tiles, history 134), or over the 256
-      // score threads, all copies in flight at once
+      // q of the item: nine TMA boxes (64 rows x one 64-column slab each) from one thread (the 256 score threads'
+      // 4,608 16-byte copies take ~7,900 clocks to issue beside the first tiles; by TMA q lands at ~3,300-3,800:
+      // -7.5% at H16 N9 P8192, ~-1% at P131072, H200), or over the 256 score threads, all copies in flight at once
       const bool q_tma = prm.q_tma;
       if (q_tma) {
         if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land);
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           mbar_wait(&sm.p_empty[s], pe_parity);
           pe_parity ^= 1u;
         }
-        // P by two stmatrix.x4 per thread (a quarter of the 4-byte stores' instructions, session 26): matrix j of half
+        // P by two stmatrix.x4 per thread (a quarter of the 4-byte stores' instructions): matrix j of half
         // h is rows wrow + 8 h .. + 7, key group j; lane l gives row l % 8 of matrix l / 8
         {
           uint32_t pr[2][4];
@@ -278,8 +278,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           sm.alpha[s][wrow + g] = alpha[0];
           sm.alpha[s][wrow + g + 8] = alpha[1];
         }
-        // P is read next by wgmma (the async proxy): no proxy fence here (session 26: it held the score warpgroup until
-        // the stores had completed); the value side's fence after its acquire of p_full orders P for its wgmma
+        // P is read next by wgmma (the async proxy): no proxy fence here (it would hold the score warpgroup until the
+        // stores complete: with it, and 4-byte stores, 0.6-1.4% slower on every shape, H200); the value side's fence
+        // after its acquire of p_full orders P for its wgmma
         mbar_arrive(&sm.p_full[s]);
         bar_arrive(kBarPFull + s, 128 + kValueThreads);
         if ((warp & 3) == 0) KDTREE_DTRACE(3);
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         mbar_wait(&sm.p_full[s], (pf_bits >> s) & 1u);  // ... and acquire (complete by now)
         pf_bits ^= 1u << s;
         // alpha loaded right after the acquire, before the wait for the tile's buffer and the proxy fence, so that the
-        // load's latency is off the path from P to P V's issue (session 29, history 178)
+        // load's latency is off the path from P to P V's issue (H200: -0.9% at H16 N9 P131072, -1.1% B8)
         const float a0 = sm.alpha[s][wrow + g];
         const float a1 = sm.alpha[s][wrow + g + 8];
         mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
-      // the ring's first 64 KB hold the rows on their way out (wg::store_o_rows_staged, session 18): every tile's S and
+      // the ring's first 64 KB hold the rows on their way out (wg::store_o_rows_staged): every tile's S and
       // P V is done (the score side's last S before its P, which the value side consumed), no copy is in flight (none
       // past the item's last tile), and the next item's copies start after the closing barrier
       wg::store_o_rows_staged(prm, cx, wrow, lane, v, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarValues, kValueThreads);
@@ -391,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then
     // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
     // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the slot ids two tiles ahead
-    // (session 27: the moves of ids loaded one tile ahead waited behind the tile's cp.async, history 170-171)
+    // (ids loaded one tile ahead wait behind that tile's cp.async: two ahead is 1.3-1.8% faster at P131072, H200)
     wg::set_max_regs<kProducerRegs, kLaunchRegs>();
     const int pt = tid - 512;   // 0..127
     uint32_t empty_bits = 0u, q_parity = 0u;
@@ -407,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
-      // racecheck does not take a barrier between roles for a hand-off, history 53 / 156: an mbarrier it does)
+      // racecheck does not take a barrier between roles for a hand-off: an mbarrier it does)
       if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
       // (q_full completes once per item: waited once per item, also when the item has no more than kQFirst tiles)
       const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;

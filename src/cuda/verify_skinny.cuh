@@ -1,7 +1,7 @@
 // verify_skinny.cuh: the sm_90a split pass for calls whose requests have at most 16 rows (H x N <= 16: one verify
 // token at H16, H8 N2, ...), with both products transposed so that the keys, not the rows, fill the wgmma M.
 //
-// Why (docs/PERF_LOG.md, session 12): the dual kernel computes 64 rows per item, so a 16-row item pays a 64-row
+// Why (docs/design.md): the dual kernel computes 64 rows per item, so a 16-row item pays a 64-row
 // item's tensor and shared-memory work and its chain through the key buffers: H16 N1 P131072 took 66 us (2.3 TB/s,
 // the copy bandwidth is 4.2). Here, per 64-key tile:
 // - S^T = K q^T: 36 wgmma m64n16k16, A = the key tile (64 keys = M, K-major), B = q (16 rows = N, K-major);
@@ -16,9 +16,9 @@
 //   threads share a key (a warp's copy is four whole 128-byte lines: with 2 threads per key and scattered chunks
 //   every 32-byte sector was fetched twice, 74.6 us at H16 N1 P131072). The producer runs on into the next item
 //   while the consumer ends the current one.
-// Measured (H200, session 12, call 4; graph, against the dual kernel in the same run): H16 N1 P131072 61.1 us (66.1),
-// P185000 75.6 (81.7), P8192 23.4 (28.2), H8 N2 61.8 (66.4); the split kernel alone 46.4 us at 3.33 TB/s from DRAM
-// (ncu). Products knocked out, it is ~3% faster (call 3): the gather, not the consumer, sets the time.
+// Measured (H200; graph, against the dual kernel in the same run): H16 N1 P131072 61.1 us (66.1), P185000 75.6
+// (81.7), P8192 23.4 (28.2), H8 N2 61.8 (66.4); the split kernel alone 46.4 us at 3.33 TB/s from DRAM (ncu). With its
+// products knocked out it is ~3% faster: the gather, not the consumer, sets the time.
 // - The plan, partials and combine are every split kernel's, with 16-row items and 64-key tiles
 //   (prm.block_m / prm.tile_n); the tree mask, padding rows and split ends follow the same rules (key_visible_n).
 #pragma once
@@ -34,8 +34,9 @@ using wg::kSlabDims;       // 64
 using wg::kChunksPerKey;   // 72 chunks of 16 bytes per key
 
 constexpr int kRows = 16;                          // rows per item: the wgmma N
-// 64 keys per tile, the wgmma M: 2 stages of 72 KB fit beside q. (48-key tiles with 3 stages and 32-key tiles with 4,
-// the products still m64 over a zero pad, and a second producer warpgroup were each measured slower, H200.)
+// 64 keys per tile, the wgmma M: 2 stages of 72 KB fit beside q. (48- and 32-key tiles, with 3 and 4 stages and the
+// products still m64 over a zeroed pad, measured 3-9% slower on the H200; a second producer warpgroup 5% slower at
+// H16 N1 P131072.)
 constexpr int kTileN = 64;
 constexpr int kStages = 2;
 constexpr int kMmaM = 64;                          // the wgmma M of both products
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   KDTREE_TIMELINE(2, 0);
   // the combine may be scheduled at once (and its blocks fit beside this kernel's): with small calls it waits for the
   // whole pass (SplitLaunch::done_arrivals 0; letting it start only after this wait, as the early combine would
-  // need, cost H16 N1 P131072 ~2 us, session 17)
+  // need, costs H16 N1 P131072 ~2 us on the H200)
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the plan kernel's counter and plan
   KDTREE_TIMELINE(2, 1);

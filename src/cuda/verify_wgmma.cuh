@@ -1,7 +1,7 @@
 // verify_wgmma.cuh: what the sm_90a split passes share (verify_dual.cuh, the default on H100/H200; verify_skinny.cuh,
 // calls of few rows per request): their geometry, shared-memory descriptors, the wgmma instructions they issue, the
 // copies of q and of the gathered keys, the hand-out of work items, the stores of O, the profiling record. Same work
-// items, plan, partials and combine as the mma.sync kernel in verify_kernel.cuh, which every other architecture
+// items, plan, partials and combine as the mma.sync kernel in verify_mma.cuh, which every other architecture
 // (sm_120 included) runs.
 //
 // - A work item is (request, split, 64-row tile): rows r = n * H + h as in the mma.sync kernel, one wgmma M of 64 rows
@@ -11,8 +11,8 @@
 // - Keys are gathered with cp.async, 16 bytes per copy, straight into that layout; a copier thread follows its copies
 //   of a tile with cp.async.mbarrier.arrive.noinc, so a tile announces itself on its mbarrier when it has landed;
 //   readers wait on the mbarrier and fence the tile into the async proxy before their wgmma.
-// (Session 2's kernel with one score warpgroup, "wgmma", was the default up to session 8 and is in git history with
-// the other closed experiments: docs/PERF_LOG.md, "Removed kernels and switches".)
+// (The other sm_90a schedules measured for these items, one score warpgroup among them, are in docs/performance.md,
+// "What was tried and measured slower".)
 #pragma once
 
 #include <type_traits>
@@ -127,7 +127,7 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
 
 // The block's k-th work item (claim_item) from thread `tid` 0 to every thread that calls this, through slot k % 2 of
 // `item` and the mbarrier `full` (one arrival per item; release / acquire: with __syncthreads between the store and the
-// loads, racecheck reported the pair as a race, session 9). The barriers that end an item order a slot's reuse two
+// loads, racecheck reports the pair as a race). The barriers that end an item order a slot's reuse two
 // items later. wait_item: the same for a thread of a role that never claims (acquire only).
 __device__ __forceinline__ int wait_item(int k, const int (&item)[2], unsigned long long* full) {
   mbar_wait(full, k & 1);
@@ -259,14 +259,13 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
   }
 }
 // End of an item, value side: the thread's two rows of O (value columns [256 v, 256 v + 256)) divided by the rows'
-// sums row_l (stored by the score side), into their result rows, through shared memory (session 18): `stage` (64 rows x
+// sums row_l (stored by the score side), into their result rows, through shared memory: `stage` (64 rows x
 // 1 KB, free until the item's closing barrier) takes the thread's rows as bf16 by stmatrix, then each warp copies whole
 // rows of its warpgroup's 256 columns out, 16 B per lane: 512 contiguous bytes per store instruction. (4-byte stores
 // from the accumulators put 8 rows into every instruction, each half a 32-byte sector: 64 KB of partials cost an item
-// ~3.6 us before its release, timeline, history 120.)
-// Layout: stage_chunk (verify_kernel.cuh). `bar_id` / `bar_count`: a barrier over the threads that stage (both value
-// warpgroups). (Each warp copying out only its own 16 rows after a __syncwarp, no barrier, was no faster: session 19,
-// history 125; removed.)
+// ~3.6 us before its release, 1.7 us so; -11% at H16 N9 P8192, -3% at P131072, -5% B8 on the H200.)
+// Layout: stage_chunk (verify_item.cuh). `bar_id` / `bar_count`: a barrier over the threads that stage (both value
+// warpgroups). (Each warp copying out only its own 16 rows after a __syncwarp, with no barrier, is no faster.)
 __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const ItemCtx& cx, int wrow, int lane, int v,
                                                     const float (&o)[128], const float* row_l, uint32_t stage,
                                                     int bar_id, int bar_count) {
@@ -297,11 +296,10 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
 }
 
 #ifdef KDTREE_EXP_TRACE
-// Profiling aid (session 22): the wgmma kernels' TRACE builds keep their stamps in global memory, and a one-thread
-// kernel launched after the call prints them (kdtree_trace_dump_kernel, verify_launch.cu). Until session 21 these
-// kernels called printf themselves; a call is a function boundary, across which ptxas serialises every wgmma of the
-// kernel ("C7510: wgmma pipeline crossing function boundary"): those traces timed S with its wgmma serialised (~3,000
-// clocks per S, where micro_contention gives ~1,100 for an S alone; PERF_LOG history 143).
+// Profiling aid: the wgmma kernels' TRACE builds keep their stamps in global memory, and a one-thread kernel launched
+// after the call prints them (kdtree_trace_dump_kernel, verify_launch.cu). A printf in the kernel would be a function
+// call, across which ptxas serialises every wgmma of the kernel ("C7510: wgmma pipeline crossing function boundary"):
+// such a trace times S at ~3,000 clocks, where S alone takes ~1,100 (tests/test_ptxas.py checks the TRACE build).
 namespace trace {
 constexpr int kItems = 4;    // items recorded per block: the block's first four
 constexpr int kTiles = 32;   // tiles recorded per item: the first 32
@@ -323,7 +321,7 @@ namespace km {
 
 // D[64 x N] (+)= A[64 x 16] * B[16 x N], fp32 accumulate, both operands in shared memory: B K-major, A K-major
 // (TransA 0: S^T, the keys' rows) or MN-major (TransA 1: V^T, the same rows read down their dims). N = 16, the skinny
-// kernel's rows (the trans kernel's m64n48k16, session 13, is in git history: docs/PERF_LOG.md).
+// kernel's rows.
 template <int N, int TransA>
 __device__ __forceinline__ void wgmma_m64nNk16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   static_assert(N == 16, "the skinny kernel's item rows");
@@ -401,7 +399,7 @@ __device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv
   wg::wg_wait0();
 }
 
-#ifdef KDTREE_EXP_TRACE   // profiling aid (session 21): the start of block 0's first item in the kernels whose keys come
+#ifdef KDTREE_EXP_TRACE   // profiling aid: the start of block 0's first item in the kernels whose keys come
 // from key_producer (skinny), SM clocks: the consumer's item fetched, q issued, q landed, tile 0 landed, tile
 // 0's S^T done, the item's end; the producer's item fetched, tile 0 issued, tile 1 issued
 __device__ volatile long long g_sk_start[9];
@@ -414,8 +412,9 @@ __device__ int g_sk_item[3];   // block 0's first item, its tiles, 1 once record
 // The producer of a kernel with the keys as the wgmma M: thread pt of Threads (whole warpgroups) gathers its share of
 // every tile of the block's items (Rows-row items of TileN-key tiles) into the ring of Stages key buffers sm.kv, eight
 // threads per key with one 16-byte chunk of each slab each (a warp's copy is whole 128-byte lines; with two threads
-// per key every sector crossed from L2 twice, history 95); it waits for a buffer's release on sm.empty, announces each
-// tile on sm.full once its copies have landed, and runs on into the next item (fetch_item) while the others end theirs.
+// per key every sector crosses from L2 twice: 74.6 against 61.1 us at H16 N1 P131072, H200); it waits for a buffer's
+// release on sm.empty, announces each tile on sm.full once its copies have landed, and runs on into the next item
+// (fetch_item) while the others end theirs.
 template <int Rows, int TileN, int Stages, int Threads, class SmemT, class Fetch>
 __device__ __forceinline__ void key_producer(SmemT& sm, const Params& prm, int pt, int total, Fetch fetch_item) {
   constexpr int kKeysPerPass = Threads / 8;

@@ -1,0 +1,44 @@
+"""Digests of kdtree's output on the benchmark shapes, for comparing two builds bit for bit (a GPU machine).
+
+    python tools/output_digest.py > a.txt                       # the installed build
+    PYTHONPATH=/tmp/kd_ab0 python tools/output_digest.py > b.txt # a variant (tools/ab_variants.sh)
+    diff a.txt b.txt && echo bit-identical
+
+Every shape of benchmarks/bench.py (--small-rows included) on the same seeded inputs; one line per shape: its name, the
+SHA-256 of the output's bytes, and the relative L2 error against the float32 reference of the first call (which says the
+digest is of a correct output, not only of an equal one). A second call on the same inputs must give the same bytes
+(determinism); a shape whose two calls differ says so.
+"""
+import hashlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench import shapes, verify_call  # noqa: E402
+
+from kdtree.reference import verify_attention_reference  # noqa: E402
+
+
+def main():
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+    for s in shapes(quick=False, small_rows=True):
+        if only and not any(o in s["name"] for o in only):
+            continue
+        b, out, kd, _ = verify_call(s["prefixes"], s["heads"], s["n"], seed=7, pad=s.get("pad", 0),
+                                    causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
+        kd()
+        torch.cuda.synchronize()
+        first = out.clone()
+        kd()
+        torch.cuda.synchronize()
+        same = torch.equal(first.view(torch.int16), out.view(torch.int16))
+        ref = verify_attention_reference(**b.verify_args()).float()
+        err = ((first.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()   # as tests/test_kernel_gpu.py
+        digest = hashlib.sha256(first.cpu().view(torch.int16).numpy().tobytes()).hexdigest()[:32]
+        print(f"{s['name']:<36} {digest} rel err {err:.1e}{'' if same else '  NOT DETERMINISTIC'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
