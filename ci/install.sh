@@ -22,7 +22,7 @@ pip_install -r requirements/test.txt
 
 step "kdtree: pip install . (CMake + nvcc build of the CUDA library and the Cython module)"
 build_start=$SECONDS
-pip_install ".[test]" -C cmake.define.KDTREE_SPILLS_ARE_ERRORS=ON   # a spill in any kernel, on any architecture, fails CI
+pip_install ".[test]"   # (tests/test_ptxas.py fails on a register spill, per kernel and architecture)
 echo "== ci/install.sh: kdtree built and installed in $((SECONDS - build_start))s"
 
 python -c "import kdtree._verify as v; print('kdtree._verify', v.__file__, 'archs', v.compiled_archs())"

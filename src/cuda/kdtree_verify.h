@@ -4,12 +4,14 @@
  * Paged tree-verify attention for MLA (DeepSeek-style latent attention, absorbed path):
  * for every request b of a speculative-decoding TARGET_VERIFY batch,
  *   rows      r = (n, h), n in [0, N_b) verify tokens, h in [0, H) heads   (R_b = N_b * H rows)
- *   keys      the P_b committed prefix rows of the KV pool, read through slot indices (page size 1),
- *             then the N_b new latent rows of this request (the drafts, read from k_new)
- *   score     s = sm_scale * (q_nope . key[:512] + q_pe . key[512:576])
+ *   keys      the P_b committed prefix rows of the KV pool, read through slot indices (any page size: a slot
+ *             id is a token's row), then the N_b new latent rows of this request (the drafts, read from k_new)
+ *   score     s = sm_scale * (q_nope . key[:512] + q_pe . key[512:576]), a prefix key counting as
+ *             k_scale * its pool row, a draft as its k_new row
  *   visible   every prefix key; draft key j iff tree_mask bit (n, j) is set,
  *             or j <= n when tree_mask is NULL (causal chain)
- *   output    out[t, h, :] = softmax over the visible keys of s, applied to key[:512]
+ *   output    out[t, h, :] = softmax over the visible keys of s, applied to the values: v_scale * pool row[:512]
+ *             for a prefix key, k_new row[:512] for a draft
  * A row that sees no key at all (P_b == 0 and an all-False tree row) gets zeros.
  *
  * Every stride is in elements (not bytes) and int64; the innermost dimension of every
@@ -36,6 +38,10 @@ extern "C" {
 #define KDTREE_MAX_HEADS 128     /* heads per rank */
 #define KDTREE_MAX_MASK_WORDS 8  /* tree_mask words per row: verify tokens per request <= 512 */
 
+/* Element types of the KV pool (kdtree_verify_params.kv_dtype). */
+#define KDTREE_KV_BF16 0   /* 576 bfloat16 per row */
+#define KDTREE_KV_E4M3 1   /* 576 float8_e4m3fn per row (SGLang's fp8_e4m3 KV cache) */
+
 /* Index dtypes accepted for qo_indptr / kv_indices. */
 #define KDTREE_INDEX_INT32 0
 #define KDTREE_INDEX_INT64 1
@@ -52,13 +58,14 @@ extern "C" {
 #define KDTREE_ERR_INDEX_DTYPE (-8)    /* an index dtype code is not KDTREE_INDEX_INT32/INT64 */
 #define KDTREE_ERR_WORKSPACE (-9)      /* workspace is smaller than kdtree_verify_workspace_size */
 #define KDTREE_ERR_OVERFLOW (-10)      /* a size would overflow the kernel's 32-bit row indexing */
-#define KDTREE_ERR_SCALE (-11)         /* sm_scale is not finite and positive */
+#define KDTREE_ERR_SCALE (-11)         /* sm_scale, k_scale or v_scale is not finite and positive */
 #define KDTREE_ERR_NO_DEVICE (-12)     /* no CUDA device usable by this build */
 #define KDTREE_ERR_ARCH (-13)          /* the current device has no kernel image in this build */
 #define KDTREE_ERR_NUM_SLOTS (-14)     /* num_slots < 1 */
 #define KDTREE_ERR_RESOURCES (-15)     /* the split kernel cannot fit one block on an SM of this GPU */
 #define KDTREE_ERR_REUSE_PLAN (-16)    /* reuse_plan is neither 0 nor 1 */
 #define KDTREE_ERR_ENV (-17)           /* a KDTREE_* environment switch has a value this build does not take */
+#define KDTREE_ERR_KV_DTYPE (-18)      /* kv_dtype is neither KDTREE_KV_BF16 nor KDTREE_KV_E4M3 */
 
 typedef struct kdtree_verify_params {
   /* ---- queries, T = num_tokens verify tokens of all requests, H = num_heads ---- */
@@ -69,8 +76,8 @@ typedef struct kdtree_verify_params {
   int64_t q_pe_stride_t;
   int64_t q_pe_stride_h;
 
-  /* ---- the paged latent cache (page size 1) ---- */
-  const void* kv_cache;         /* [num_slots, 576] bf16, row stride kv_stride_s; [:, :512] are the values */
+  /* ---- the paged latent cache (slot = token row, for any page size) ---- */
+  const void* kv_cache;         /* [num_slots, 576] of kv_dtype, row stride kv_stride_s; [:, :512] are the values */
   int64_t kv_stride_s;
   int64_t num_slots;            /* rows of kv_cache (slot ids index it; the caller keeps them in range) */
   const void* kv_indices;       /* [>= kv_indptr[B]] int32/int64 slot ids, request b at kv_indptr[b]:kv_indptr[b+1] */
@@ -119,6 +126,11 @@ typedef struct kdtree_verify_params {
                                       split reads it), inside its plan kernel (one kernel fewer than packing first;
                                       with reuse_plan, by the pack kernel). */
   const int64_t* pack_mask_indptr; /* [B + 1] int64, request b's block of pack_custom_mask; needed with it */
+
+  /* ---- the pool's element type and scales (SGLang's k_descale / v_descale; drafts are never scaled) ---- */
+  int kv_dtype;                 /* KDTREE_KV_BF16 or KDTREE_KV_E4M3 */
+  float k_scale;                /* a prefix key scores as k_scale * its pool row: finite, > 0 (1: none) */
+  float v_scale;                /* a prefix key's value is v_scale * its pool row[:512]: finite, > 0 (1: none) */
 } kdtree_verify_params;
 
 /*
@@ -143,8 +155,12 @@ typedef enum kdtree_split_kernel_id {
   KDTREE_KERNEL_MMA_3STAGE = 2, /* mma.sync, 3 key stages: a 227 KB GPU without sm_90a code (KDTREE_SPLIT_KERNEL=mma) */
   KDTREE_KERNEL_MMA_32ROW = 3,  /* the 2-stage pipeline with 32-row items: calls of <= 32 rows per request beside 1 */
   KDTREE_KERNEL_DUAL = 4,       /* sm_90a wgmma, two score warpgroups and a producer: H100/H200 */
-  KDTREE_KERNEL_SKINNY = 5      /* sm_90a, 16-row items with the keys as the wgmma M: calls of <= 16 rows per request
+  KDTREE_KERNEL_SKINNY = 5,     /* sm_90a, 16-row items with the keys as the wgmma M: calls of <= 16 rows per request
                                    beside 4 (every call under KDTREE_SPLIT_KERNEL=skinny) */
+  KDTREE_KERNEL_MMA_FP8 = 6,    /* mma.sync over an e4m3 pool (block-scaled e4m3 on sm_120a, plain e4m3 elsewhere),
+                                   drafts in bf16 items of their own: every KDTREE_KV_E4M3 call */
+  KDTREE_KERNEL_MMA_SCALED = 7  /* the mma.sync kernel (the device's stages) with the drafts apart, prefix items
+                                   scaled: KDTREE_KV_BF16 calls with k_scale or v_scale other than 1 */
 } kdtree_split_kernel_id;
 
 /* The split kernel kdtree_verify_launch runs on the current device for calls of many rows per request, into
@@ -156,15 +172,17 @@ typedef enum kdtree_split_kernel_id {
  * Returns KDTREE_OK or an error status. */
 int kdtree_verify_split_kernel(int* kernel);
 
-/* The split kernel a call of this batch size, token count and head count runs on the current device: the device's
- * (above), except that where it is KDTREE_KERNEL_DUAL a call of num_heads * num_tokens / batch_size <= 16 rows per
- * request runs KDTREE_KERNEL_SKINNY (KDTREE_SKINNY=0: never), and where it is KDTREE_KERNEL_MMA_2STAGE a call of <= 32
- * rows per request runs KDTREE_KERNEL_MMA_32ROW (KDTREE_MMA_HALVES=0: never); a call whose num_tokens is not a multiple
- * of batch_size runs the device's kernel. The choice takes every request to have num_tokens / batch_size verify tokens
- * (SGLang's verify batches), so a request's result is the same, bit for bit, alone and in any batch of requests with
- * its token count; in a batch of mixed token counts it may differ at bf16 rounding from its result alone.
+/* The split kernel a call of this batch size, token count, head count, pool type (kv_dtype) and scaling
+ * (kv_scaled: k_scale or v_scale other than 1) runs on the current device: KDTREE_KERNEL_MMA_FP8 for an e4m3 pool,
+ * KDTREE_KERNEL_MMA_SCALED for a scaled bf16 pool, else the device's (above), except that where it is
+ * KDTREE_KERNEL_DUAL a call of num_heads * num_tokens / batch_size <= 16 rows per request runs KDTREE_KERNEL_SKINNY
+ * (KDTREE_SKINNY=0: never), and where it is KDTREE_KERNEL_MMA_2STAGE a call of <= 32 rows per request runs
+ * KDTREE_KERNEL_MMA_32ROW (KDTREE_MMA_HALVES=0: never); a call whose num_tokens is not a multiple of batch_size runs
+ * the device's kernel. The choice takes every request to have num_tokens / batch_size verify tokens (SGLang's verify
+ * batches), so a request's result is the same, bit for bit, alone and in any batch of requests with its token count;
+ * in a batch of mixed token counts it may differ at bf16 rounding from its result alone.
  * Returns KDTREE_OK or an error status (an invalid size as kdtree_verify_launch reports it). */
-int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel);
+int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int kv_dtype, int kv_scaled, int* kernel);
 
 /* Build the compact tree mask from SGLang's flat custom_mask on `stream` (no host sync):
  *   custom_mask   [>= mask_indptr[B]] bytes (bool or uint8), request b's N_b x (P_b + N_b)

@@ -117,6 +117,12 @@ struct Params {
   // The drafts form a split of their own (ReqPlan::chunked): set for e4m3 pools and for KV scales, where prefix keys
   // are read and scaled differently from the bf16 drafts.
   int drafts_apart;
+  float k_scale, v_scale;   // prefix keys score as kv * k_scale, their values count as kv[:512] * v_scale
+  // The queries split into e4m3 terms for an FP8 call (verify_q8.cuh), written by the prep kernel's q blocks.
+  uint8_t* q8;        // [num_tokens * heads][2][576]
+  float* q_scale;     // [num_tokens * heads]
+  // The prep kernel's blocks: plan_blocks (0 or 1) plan, the next pack_blocks pack the tree mask, the rest split q.
+  int plan_blocks, pack_blocks;
 };
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {

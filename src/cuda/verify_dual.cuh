@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
-        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, sc, tmax);
+        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, prm.scale_log2, sc, tmax);
         if ((warp & 3) == 0) KDTREE_DTRACE(9);   // the tile's own row maxima
         // the running maxima: m of the tile before from the other score warpgroup, this tile's published at once
         // (before P)

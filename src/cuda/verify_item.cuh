@@ -111,13 +111,14 @@ __device__ __forceinline__ float& score_at(float (&v)[N], int j, int e) { return
 template <int G>
 __device__ __forceinline__ float& score_at(float (&v)[G][4], int j, int e) { return v[j][e]; }
 
-// Scale the tile's scores to log2 units, mask them, and take the maxima of the thread's two rows. A plain
+// Scale the tile's scores to log2 units (times `scale`: Params::scale_log2, or that times k_scale), mask them, and take
+// the maxima of the thread's two rows. A plain
 // tile (all prefix keys inside the split) needs no mask and takes the short path; otherwise the rows'
 // verify tokens are found once and each key tested against them. Groups: the thread's n8 key groups (keys
 // key0 .. key0 + 8 Groups - 1).
 template <int Groups = kTileN / 8, typename Scores>
 __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx& cx, int H, int key0, int r0, int c,
-                                               Scores& v, float (&tmax)[2]) {
+                                               float scale, Scores& v, float (&tmax)[2]) {
   tmax[0] = tmax[1] = -INFINITY;
   const bool plain = key0 + Groups * 8 <= cx.k1 && key0 + Groups * 8 <= cx.rp.p;
   if (plain) {
@@ -126,7 +127,7 @@ __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx&
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& x = score_at(v, j, e);
-        x *= prm.scale_log2;
+        x *= scale;
         tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
       }
   } else {
@@ -136,7 +137,7 @@ __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx&
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& x = score_at(v, j, e);
-        x = key_visible_n(prm, cx, key0 + j * 8 + 2 * c + (e & 1), rn[e >> 1]) ? x * prm.scale_log2 : -INFINITY;
+        x = key_visible_n(prm, cx, key0 + j * 8 + 2 * c + (e & 1), rn[e >> 1]) ? x * scale : -INFINITY;
         tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
       }
   }

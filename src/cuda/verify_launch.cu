@@ -14,6 +14,7 @@
 #include "verify_combine.cuh"
 #include "verify_mask.cuh"
 #include "verify_mma.cuh"
+#include "verify_mma_fp8.cuh"
 #include "verify_plan.cuh"
 #include "verify_dual.cuh"
 #include "verify_skinny.cuh"
@@ -79,19 +80,20 @@ constexpr int kSplitsPerSm = KDTREE_SPLITS_PER_SM;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct Layout {
-  size_t header, zero_row, plan, lse, partial, tile_done, tile_seen, total;
+  size_t header, zero_row, plan, lse, partial, tile_done, tile_seen, q8, q_scale, total;
   long long max_partial_rows;
 };
 
 // A request with nsplit > 1 has nsplit <= split_target / mtiles, or one more where the split rule balances its items
-// (verify_split_rule.h), so it owns at most split_target * block_m partial rows (block_m of whichever split kernel runs,
-// at most 64) plus its own rows; a row needs at most split_target partials (mtiles >= 2 where a split is added).
+// (verify_split_rule.h), and one more again where its drafts stand apart, so it owns at most split_target * block_m
+// partial rows (block_m of whichever split kernel runs, at most 64) plus twice its own rows; a row needs at most
+// split_target + 1 partials (mtiles >= 2 where a split is added for balance).
 constexpr int kMaxBlockM = kdtree::kBlockM > kdtree::wg::kBlockM ? kdtree::kBlockM : kdtree::wg::kBlockM;
 static_assert(kdtree::sk::kRows <= kMaxBlockM, "every split kernel's items fit the partials' sizing");
 Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) {
   Layout l;
-  const long long by_batch = (long long)batch * split_target * kMaxBlockM + (long long)num_tokens * heads;
-  const long long by_rows = (long long)num_tokens * heads * split_target;
+  const long long by_batch = (long long)batch * split_target * kMaxBlockM + 2ll * num_tokens * heads;
+  const long long by_rows = (long long)num_tokens * heads * (split_target + 1);
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
   l.zero_row = align_up(3 * sizeof(int));   // the counters
@@ -100,7 +102,9 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
   l.tile_done = l.partial + align_up((size_t)l.max_partial_rows * kdtree::kDimNope * sizeof(__nv_bfloat16));
   l.tile_seen = l.tile_done + align_up((size_t)l.max_partial_rows * sizeof(int));
-  l.total = l.tile_seen + align_up((size_t)l.max_partial_rows * sizeof(int));
+  l.q8 = l.tile_seen + align_up((size_t)l.max_partial_rows * sizeof(int));   // an FP8 call's q terms (verify_q8.cuh)
+  l.q_scale = l.q8 + align_up((size_t)num_tokens * heads * kdtree::kQ8RowBytes);
+  l.total = l.q_scale + align_up((size_t)num_tokens * heads * sizeof(float));
   return l;
 }
 
@@ -119,9 +123,16 @@ struct SplitLaunch {
   int done_arrivals = 1;
 };
 // Kernel selection lives here and in device_info / call_kernel below: one entry per kdtree_split_kernel_id.
-SplitLaunch split_launch(int kernel) {
+// KDTREE_KERNEL_MMA_SCALED is the mma.sync kernel with the drafts apart at `stages` key stages (the device's).
+SplitLaunch split_launch(int kernel, int stages = 2) {
   using kdtree::kTileN;
   switch (kernel) {
+    case KDTREE_KERNEL_MMA_SCALED:
+      if (stages == 2)
+        return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaWide, true>, kdtree::MmaWide::kThreads,
+                sizeof(kdtree::SharedStorage<2>), kdtree::MmaWide::kBlockM, kTileN};
+      return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages, kdtree::MmaWide, true>, kdtree::MmaWide::kThreads,
+              sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
     case KDTREE_KERNEL_DUAL:
       return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
               kdtree::wg::kBlockM, kdtree::wg::kTileN};
@@ -135,6 +146,9 @@ SplitLaunch split_launch(int kernel) {
       return {kdtree::kdtree_verify_split_kernel<2, kdtree::MmaHalves>, kdtree::MmaHalves::kThreads,
               sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
               kdtree::MmaHalves::kBlockM, kTileN};
+    case KDTREE_KERNEL_MMA_FP8:
+      return {kdtree::kdtree_verify_split_fp8_kernel, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorageFp8),
+              kdtree::MmaWide::kBlockM, kTileN};
     default:   // KDTREE_KERNEL_MMA_3STAGE
       return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,
               sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
@@ -155,6 +169,9 @@ struct DeviceInfo {
   int small_rows;
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
+  int mma_stages;       // key stages of the mma.sync kernels here (3 where a block may take 227 KB, else 2)
+  int fp8_status;       // KDTREE_OK where the FP8 kernel fits a block on an SM here, else why not
+  int scaled_status;    // the same for the scaled bf16 kernel
 };
 
 bool env_is(const char* name, const char* value) {
@@ -176,8 +193,8 @@ DeviceInfo device_info(int dev, int* status) {
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) { *status = (int)e; return {}; }
-    int kernel = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? KDTREE_KERNEL_MMA_3STAGE
-                                                                                     : KDTREE_KERNEL_MMA_2STAGE;
+    const int mma_stages = (size_t)optin >= sizeof(kdtree::SharedStorage<kdtree::kMaxStages>) ? kdtree::kMaxStages : 2;
+    int kernel = mma_stages == 2 ? KDTREE_KERNEL_MMA_2STAGE : KDTREE_KERNEL_MMA_3STAGE;
 #ifdef KDTREE_HAVE_SM90A
     if (major == 9 && minor == 0 && (size_t)optin >= kdtree::dual::kSmemBytes && (size_t)optin >= kdtree::sk::kSmemBytes)
       kernel = KDTREE_KERNEL_DUAL;
@@ -216,9 +233,23 @@ DeviceInfo device_info(int dev, int* status) {
       if (e != cudaSuccess) cudaGetLastError();
       if (e != cudaSuccess || sblocks < 1) small_kernel = small_rows = 0;
     }
+    // the FP8 and scaled kernels, for the calls that need them (a failure is reported by those calls only)
+    auto status_of = [](const SplitLaunch& k) {
+      int b = 0;
+      const cudaError_t err = configure(k, &b);
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        return err == cudaErrorInvalidDeviceFunction || err == cudaErrorNoKernelImageForDevice ? KDTREE_ERR_ARCH
+                                                                                                : (int)err;
+      }
+      return b < 1 ? KDTREE_ERR_RESOURCES : KDTREE_OK;
+    };
+    const int fp8_status = status_of(split_launch(KDTREE_KERNEL_MMA_FP8));
+    const int scaled_status = status_of(split_launch(KDTREE_KERNEL_MMA_SCALED, mma_stages));
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows,
-                           !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0")};
+                           !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0"), mma_stages,
+                           fp8_status, scaled_status};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -233,7 +264,10 @@ DeviceInfo device_info(int dev, int* status) {
 // of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit). (A bound
 // of H x (T - B + 1) instead would move with the batch size: H8 N2 alone would run one kernel and in a batch of three
 // N2 requests the other.)
-int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads) {
+// Calls over an e4m3 pool run the FP8 kernel, and scaled bf16 calls the scaled one, whatever their rows.
+int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads, int kv_dtype, bool kv_scaled) {
+  if (kv_dtype == KDTREE_KV_E4M3) return KDTREE_KERNEL_MMA_FP8;
+  if (kv_scaled) return KDTREE_KERNEL_MMA_SCALED;
   if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
   return rows <= dev.small_rows ? dev.small_kernel : dev.kernel;
@@ -318,7 +352,10 @@ int validate(const kdtree_verify_params* p) {
   if (p->kv_indices_dtype != KDTREE_INDEX_INT32 && p->kv_indices_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
   if (p->qo_indptr_dtype != KDTREE_INDEX_INT32 && p->qo_indptr_dtype != KDTREE_INDEX_INT64) return KDTREE_ERR_INDEX_DTYPE;
   if (p->tree_mask && (p->tree_mask_words < 1 || p->tree_mask_words > KDTREE_MAX_MASK_WORDS)) return KDTREE_ERR_MASK_WORDS;
-  if (!(p->sm_scale > 0.f) || !isfinite(p->sm_scale)) return KDTREE_ERR_SCALE;
+  if (!(p->sm_scale > 0.f) || !isfinite(p->sm_scale) || !(p->k_scale > 0.f) || !isfinite(p->k_scale) ||
+      !(p->v_scale > 0.f) || !isfinite(p->v_scale))
+    return KDTREE_ERR_SCALE;
+  if (p->kv_dtype != KDTREE_KV_BF16 && p->kv_dtype != KDTREE_KV_E4M3) return KDTREE_ERR_KV_DTYPE;
   if (p->reuse_plan != 0 && p->reuse_plan != 1) return KDTREE_ERR_REUSE_PLAN;
   if (p->pack_custom_mask && (!p->pack_mask_indptr || !p->tree_mask)) return KDTREE_ERR_NULL_POINTER;
   // strides: a head / token step must not overlap the row it spans (heads may alias only if H == 1)
@@ -330,11 +367,13 @@ int validate(const kdtree_verify_params* p) {
       p->out_stride_h < (p->num_heads > 1 ? KDTREE_HEAD_DIM_V : 0) ||
       p->out_stride_t < (long long)(p->num_heads - 1) * p->out_stride_h + KDTREE_HEAD_DIM_V)
     return KDTREE_ERR_STRIDE;
-  // 16-byte vectors (cp.async, uint4) on every row: pointers and element strides (bf16: multiples of 8)
+  // 16-byte vectors (cp.async, uint4, bulk copies) on every row: pointers and element strides (bf16: multiples of 8;
+  // an e4m3 pool's rows: multiples of 16)
   if (!aligned16(p->q_nope) || !aligned16(p->q_pe) || !aligned16(p->kv_cache) || !aligned16(p->k_new) ||
       !aligned16(p->out) || (reinterpret_cast<uintptr_t>(p->workspace) & (kAlign - 1)) != 0 ||
       (p->q_nope_stride_t | p->q_nope_stride_h | p->q_pe_stride_t | p->q_pe_stride_h | p->kv_stride_s |
-       p->k_new_stride_t | p->out_stride_t | p->out_stride_h) % 8 != 0)
+       p->k_new_stride_t | p->out_stride_t | p->out_stride_h) % 8 != 0 ||
+      (p->kv_dtype == KDTREE_KV_E4M3 && p->kv_stride_s % 16 != 0))
     return KDTREE_ERR_ALIGNMENT;
   // rows r = n * H + h of one request and global rows t * H + h are int32 in the kernels, and the combine's works
   // (rows x column slices, strided by its grid) 32-bit: 2^27 rows, 128 GiB of output, is far beyond any GPU
@@ -449,14 +488,16 @@ int kdtree_verify_split_kernel(int* kernel) {
   return status;
 }
 
-int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel) {
+int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int kv_dtype, int kv_scaled,
+                              int* kernel) {
   if (!kernel) return KDTREE_ERR_NULL_POINTER;
   if (batch_size < 1) return KDTREE_ERR_BATCH;
   if (num_tokens < 1) return KDTREE_ERR_NUM_TOKENS;
   if (num_heads < 1 || num_heads > KDTREE_MAX_HEADS) return KDTREE_ERR_NUM_HEADS;
+  if (kv_dtype != KDTREE_KV_BF16 && kv_dtype != KDTREE_KV_E4M3) return KDTREE_ERR_KV_DTYPE;
   int status = KDTREE_OK;
   const DeviceInfo dev = current_device(&status);
-  if (status == KDTREE_OK) *kernel = call_kernel(dev, batch_size, num_tokens, num_heads);
+  if (status == KDTREE_OK) *kernel = call_kernel(dev, batch_size, num_tokens, num_heads, kv_dtype, kv_scaled != 0);
   return status;
 }
 
@@ -498,8 +539,11 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.heads = p->num_heads;
   prm.scale_log2 = p->sm_scale * 1.4426950408889634f;
   prm.split_target = split_target;
-  const int call = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads);
-  const SplitLaunch split = split_launch(call);
+  const bool kv_scaled = p->k_scale != 1.f || p->v_scale != 1.f;
+  const int call = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads, p->kv_dtype, kv_scaled);
+  if (call == KDTREE_KERNEL_MMA_FP8 && dev.fp8_status != KDTREE_OK) return dev.fp8_status;
+  if (call == KDTREE_KERNEL_MMA_SCALED && dev.scaled_status != KDTREE_OK) return dev.scaled_status;
+  const SplitLaunch split = split_launch(call, dev.mma_stages);
   prm.block_m = split.block_m;
   prm.tile_n = split.tile_n;
   prm.max_partial_rows = lay.max_partial_rows;
@@ -511,25 +555,28 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.partial_o = reinterpret_cast<__nv_bfloat16*>(ws + lay.partial);
   prm.tile_done = reinterpret_cast<int*>(ws + lay.tile_done);
   prm.tile_seen = reinterpret_cast<int*>(ws + lay.tile_seen);
+  prm.q8 = ws + lay.q8;
+  prm.q_scale = reinterpret_cast<float*>(ws + lay.q_scale);
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
   prm.q_tma = dev.q_tma && call == KDTREE_KERNEL_DUAL && build_q_maps(prm, p);   // (only the dual kernel reads them)
-  prm.drafts_apart = 0;
+  prm.drafts_apart = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_MMA_SCALED;
+  prm.k_scale = p->k_scale;
+  prm.v_scale = p->v_scale;
 
   const bool pdl = dev.pdl;
-  // the tree mask this call packs: in the plan kernel's blocks 1.. (one kernel and one dependency wait fewer than
-  // kdtree_pack_tree_mask before the call), or by the pack kernel when the plan kernel does not run
+  // The prep kernel: the plan (unless reused), the tree mask this call packs (one kernel and one dependency wait fewer
+  // than kdtree_pack_tree_mask before the call) and an FP8 call's q terms, each in blocks of its own.
   const long long pack_words = p->pack_custom_mask ? (long long)p->num_tokens * p->tree_mask_words : 0;
-  if (pack_words && p->reuse_plan)
-    KDTREE_TRY(launch_pack(p->pack_custom_mask, p->pack_mask_indptr, p->qo_indptr, prm.qo_indptr_64, p->kv_indptr,
-                           p->batch_size, p->num_tokens, const_cast<uint64_t*>(p->tree_mask), p->tree_mask_words, stream,
-                           pdl));
-  if (!p->reuse_plan) {
-    const unsigned pack_blocks = (unsigned)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
-    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, 1 + pack_blocks, kdtree::kPlanThreads, 0, stream, pdl,
-                             prm));
-  }
+  prm.plan_blocks = p->reuse_plan ? 0 : 1;
+  prm.pack_blocks = (int)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
+  const long long rows = (long long)p->num_tokens * p->num_heads;
+  const int q_blocks = call == KDTREE_KERNEL_MMA_FP8 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock)
+                                                     : 0;
+  const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);
+  if (prep_blocks)
+    KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, prep_blocks, kdtree::kPlanThreads, 0, stream, pdl, prm));
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
   // combine blocks stride over (column slice, row) pairs, rows x (the largest slice count of any row,
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
@@ -577,7 +624,8 @@ const char* kdtree_status_string(int status) {
     case KDTREE_ERR_INDEX_DTYPE: return "an index dtype code is neither KDTREE_INDEX_INT32 nor KDTREE_INDEX_INT64";
     case KDTREE_ERR_WORKSPACE: return "workspace is smaller than kdtree_verify_workspace_size()";
     case KDTREE_ERR_OVERFLOW: return "num_tokens * num_heads is too large for 32-bit row indexing";
-    case KDTREE_ERR_SCALE: return "sm_scale must be finite and > 0";
+    case KDTREE_ERR_SCALE: return "sm_scale, k_scale and v_scale must be finite and > 0";
+    case KDTREE_ERR_KV_DTYPE: return "kv_dtype must be KDTREE_KV_BF16 or KDTREE_KV_E4M3";
     case KDTREE_ERR_NO_DEVICE: return "no usable CUDA device";
     case KDTREE_ERR_ARCH: return "this build has no kernel image for the current GPU (rebuild with its architecture)";
     case KDTREE_ERR_NUM_SLOTS: return "num_slots must be >= 1";

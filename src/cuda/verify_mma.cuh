@@ -150,10 +150,307 @@ __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN +
 #define KDTREE_TRACE(e) do { } while (0)
 #endif
 
-template <int Stages, typename Shape = MmaWide>
-__global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel(Params prm) {
+// One work item of the mma.sync pass (cx: its rows and keys [k0, k1)), by every thread of the block: its keys bf16
+// (prefix keys from the pool, drafts from k_new), its scores in log2 units times `score_scale` (Params::scale_log2, times
+// k_scale for the prefix items of a scaled call), its output rows times `out_scale`. Ends after the block's last
+// access to the item's shared memory, with its release to the combine. phase_bits / pair_bits: the calling thread's
+// mbarrier parities, carried from item to item.
+template <int Stages, typename Shape, typename Smem>
+__device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const ItemCtx& cx, float score_scale,
+                                         float out_scale, uint32_t& phase_bits, uint32_t& pair_bits, int item,
+                                         long long t_fetch) {
   constexpr int kBlockM = Shape::kBlockM, kRowBlocks = Shape::kRowBlocks, kKeyHalves = Shape::kKeyHalves;
   constexpr int kScoreWarps = Shape::kScoreWarps, kThreads = Shape::kThreads, kGroups = Shape::kGroups;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;  // mma group: row within an 8-row half
+  const int c = lane & 3;   // thread in group: column pair
+  const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
+  const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
+  const int my_key = vw * kKeysPerWarp + lane;          // an issuer's key within each tile
+  (void)item;      // (TRACE builds print them)
+  (void)t_fetch;
+  const int H = prm.heads;
+
+  // ---- prologue: tiles 0 .. Stages-1 on their way, query columns [384, 576) into shared memory ----
+  // (the slot ids of tiles 0 .. Stages are loaded together first: each copy's asm orders any load
+  // after it, so loading them between the copies waits one round trip per tile)
+  long long slots[Stages + 1];
+#pragma unroll
+  for (int t = 0; t <= Stages; ++t)
+    slots[t] = issuer && t < cx.ntiles ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1;
+  if (vw >= 0) {
+#pragma unroll
+    for (int t = 0; t < Stages; ++t)
+      if (t < cx.ntiles) issue_tile(sm, prm, cx, t, t, vw, lane, slots[t]);
+  }
+  long long next_slot = slots[Stages];   // issuer lanes: slot id of the next tile to issue
+  for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {   // all copies in flight at once
+    const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
+    const int d = kQRegDims + ch * 8;   // query column
+    const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
+    if (r < cx.rows) {
+      const int rr = cx.row0 + r;
+      const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
+      src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                         : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
+    }
+    cp_async_16z(smem_u32(&sm.q_tail[r][ch * 8]), src, r < cx.rows ? 16 : 0);
+  }
+  cp_async_wait_all();   // this thread's q copies (the key rows travel as bulk copies, not cp.async)
+  __syncthreads();
+#ifdef KDTREE_EXP_TRACE
+  const long long t_item = clock64();
+#endif
+
+  if (warp < kScoreWarps) {
+    // =========================== score warps ===========================
+    const int rb = kKeyHalves == 1 ? warp : warp % kRowBlocks;   // row block of this warp
+    const int kh = kKeyHalves == 1 ? 0 : warp / kRowBlocks;      // its key half
+    const int wrow = rb * 16;                       // first tile row of this warp
+    const bool active = wrow < cx.rows;
+    uint32_t qa[kQRegSteps][4];                     // q_nope columns [0, 384) as A fragments
+    {
+      const __nv_bfloat16* qrow[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wrow + g + half * 8;
+        const int rr = cx.row0 + r;
+        const int n = rr / H, h = rr - n * H;
+        qrow[half] = r < cx.rows ? prm.q_nope + (long long)(cx.rp.qo_begin + n) * prm.q_nope_st +
+                                       (long long)h * prm.q_nope_sh
+                                 : nullptr;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kQRegSteps; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int half = j & 1, col = ks * 16 + (j >> 1) * 8 + 2 * c;
+          qa[ks][j] = qrow[half] ? *reinterpret_cast<const uint32_t*>(qrow[half] + col) : 0u;
+        }
+      }
+    }
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+
+    for (int it = 0; it < cx.ntiles; ++it) {
+      const int b = it % Stages;
+      // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile
+      // it-Stages): they refilled this buffer only after finishing it.
+      mbar_wait_buffer(sm.full, phase_bits, b);
+      if (warp == 0) KDTREE_TRACE(0);
+      // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
+      // finished with it (the refill is issued after), but that chain runs through the copy
+      // engine; this barrier states the order directly (and lets racecheck see it).
+      if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
+      if (warp == 0) KDTREE_TRACE(1);
+      if (active) {
+        float acc[kGroups][4] = {};   // this warp's n8 key tiles: independent mma chains
+#ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
+        // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8 (of this warp's keys)
+        const __nv_bfloat16* kbase =
+            &sm.kv[b][kh * (kTileN / kKeyHalves) + ((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
+#pragma unroll
+        for (int ks = 0; ks < kQRegSteps; ++ks) {
+          uint32_t b0[4], b1[4];
+          ldmatrix_x4(b0, kbase + ks * 16);
+          if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
+          mma_bf16(acc[0], qa[ks], b0[0], b0[1]);
+          mma_bf16(acc[1], qa[ks], b0[2], b0[3]);
+          if constexpr (kGroups == 4) {
+            mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
+            mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
+          }
+        }
+        const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
+#pragma unroll
+        for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
+          uint32_t a[4], b0[4], b1[4];
+          ldmatrix_x4(a, qtbase + ks * 16);
+          ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
+          if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
+          mma_bf16(acc[0], a, b0[0], b0[1]);
+          mma_bf16(acc[1], a, b0[2], b0[3]);
+          if constexpr (kGroups == 4) {
+            mma_bf16(acc[2], a, b1[0], b1[1]);
+            mma_bf16(acc[3], a, b1[2], b1[3]);
+          }
+        }
+#endif
+
+#ifdef KDTREE_EXP_TRACE
+        if (warp == 0) {   // stamp once the score product has landed in the accumulators
+          if (acc[0][0] == 12345.f && acc[kGroups - 1][3] == 12345.f) sm.row_m[0] = 0.f;
+          KDTREE_TRACE(2);
+        }
+#endif
+        // ---- scale, mask, online softmax ----
+        float tmax[2];
+        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + it * kTileN + kh * (kTileN / kKeyHalves), wrow + g, c,
+                                score_scale, acc, tmax);
+        if constexpr (kKeyHalves == 2) {
+          // the pair's row maxima meet in slot it % 2: stored, released on this warp's mbarrier, the other's
+          // acquired (the other warp read this slot's previous value before its arrival one tile ago)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) tmax[half] = quad_max(tmax[half]);
+          const int slot = it & 1;
+          if (c == 0) {
+            sm.mx[slot][kh][wrow + g] = tmax[0];
+            sm.mx[slot][kh][wrow + g + 8] = tmax[1];
+          }
+          mbar_arrive(&sm.mx_full[rb][kh][slot]);
+          mbar_wait(&sm.mx_full[rb][1 - kh][slot], (pair_bits >> slot) & 1u);
+          pair_bits ^= 1u << slot;
+          tmax[0] = fmaxf(tmax[0], sm.mx[slot][1 - kh][wrow + g]);
+          tmax[1] = fmaxf(tmax[1], sm.mx[slot][1 - kh][wrow + g + 8]);
+        }
+        float alpha[2], m_use[2];
+        softmax_advance_tau<KDTREE_MMA_LAZY_RESCALE>(tmax, m_run, m_use, alpha);   // (m_run: the rows' reference)
+        softmax_p_pairs<kGroups>(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
+          const int row = wrow + g + half * 8;
+          *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, kh * kGroups + nt) + 2 * c) = pair;
+        });
+        if (c == 0 && kh == 0) {   // both warps of a pair hold the same alpha
+          sm.alpha[b][wrow + g] = alpha[0];
+          sm.alpha[b][wrow + g + 8] = alpha[1];
+        }
+      }
+      bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
+      if (warp == 0) KDTREE_TRACE(3);
+    }
+    if constexpr (kKeyHalves == 2) {   // key half 1's row sums join half 0's (quad sums first)
+      quad_sum_rows(l_run);
+      if (kh == 1) {
+        if (c == 0) {
+          sm.xl[wrow + g] = l_run[0];
+          sm.xl[wrow + g + 8] = l_run[1];
+        }
+        mbar_arrive(&sm.xl_full[rb]);   // (xl is written again only after the item's closing __syncthreads)
+      } else {   // one lane per quad carries the pair's sums (finish_rows sums the quad again)
+        mbar_wait(&sm.xl_full[rb], (pair_bits >> 2) & 1u);
+        const float o0 = sm.xl[wrow + g], o1 = sm.xl[wrow + g + 8];
+        l_run[0] = c == 0 ? l_run[0] + o0 : 0.f;
+        l_run[1] = c == 0 ? l_run[1] + o1 : 0.f;
+      }
+      pair_bits ^= 4u;
+    }
+    if (kh == 0) {
+      finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
+                  [] { bar_arrive(kBarBlock, kThreads); });   // the value warps' epilogue barrier (they wait)
+    } else {
+      bar_arrive(kBarBlock, kThreads);
+    }
+  } else {
+    // =========================== value warps ===========================
+    const int col0 = vw * kValueCols;
+    const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
+    float o[kRowBlocks][kValueCols / 8][4] = {};
+
+    for (int it = 0; it < cx.ntiles; ++it) {
+      const int b = it % Stages;
+      bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
+      mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
+      if (vw == 0) KDTREE_TRACE(4);
+#pragma unroll
+      for (int rb = 0; rb < kRowBlocks; ++rb) {
+        const float a0 = sm.alpha[b][rb * 16 + g];
+        const float a1 = sm.alpha[b][rb * 16 + g + 8];
+        // once the running maxima settle, alpha is exactly 1 for whole row blocks: skip 32 FMULs
+        if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
+#pragma unroll
+          for (int nt = 0; nt < kValueCols / 8; ++nt) {
+            o[rb][nt][0] *= a0;
+            o[rb][nt][1] *= a0;
+            o[rb][nt][2] *= a1;
+            o[rb][nt][3] *= a1;
+          }
+        }
+      }
+#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
+#pragma unroll
+      for (int kk = 0; kk < kTileN / 16; ++kk) {
+        uint32_t pa[kRowBlocks][4];
+#pragma unroll
+        for (int rb = 0; rb < kRowBlocks; ++rb) {
+          const int row = rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          if (rb < rblocks) ldmatrix_x4(pa[rb], &sm.p[b][0][0] + p_off(row, 2 * kk + (lane >> 4)));
+        }
+        // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
+        const __nv_bfloat16* vbase =
+            &sm.kv[b][kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
+#pragma unroll
+        for (int np = 0; np < kValueCols / 16; ++np) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+          for (int rb = 0; rb < kRowBlocks; ++rb) {
+            if (rb < rblocks) {
+              mma_bf16(o[rb][2 * np], pa[rb], vb[0], vb[1]);
+              mma_bf16(o[rb][2 * np + 1], pa[rb], vb[2], vb[3]);
+            }
+          }
+        }
+      }
+#endif
+#ifdef KDTREE_EXP_TRACE
+      if (vw == 0) {   // stamp once P V has landed in the accumulators
+        if (o[0][0][0] == 12345.f && o[0][7][3] == 12345.f) sm.row_l[0] = 0.f;
+        KDTREE_TRACE(5);
+      }
+#endif
+      if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kThreads);   // P/alpha[b] free for tile it+Stages
+      // every value warp is done with buffer b (the score warps finished it before publishing P):
+      // refill it with tile it+Stages
+      bar_sync(kBarValues, kValueWarps * 32);
+      if (vw == 0) KDTREE_TRACE(6);
+      if (it + Stages < cx.ntiles) {
+        issue_tile(sm, prm, cx, it + Stages, b, vw, lane, next_slot);
+        if (issuer && it + Stages + 1 < cx.ntiles)
+          next_slot = key_slot(prm, cx, cx.k0 + (it + Stages + 1) * kTileN + my_key);
+      }
+      if (vw == 0) KDTREE_TRACE(7);
+    }
+    bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps (which only arrive)
+#pragma unroll
+    for (int rb = 0; rb < kRowBlocks; ++rb) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = rb * 16 + g + half * 8;
+        if (r >= cx.rows) continue;
+        const float l = sm.row_l[r];
+        const float inv = l > 0.f ? out_scale / l : 0.f;
+        __nv_bfloat16* dst = result_row(prm, cx, r);
+#pragma unroll
+        for (int nt = 0; nt < kValueCols / 8; ++nt) {
+          *reinterpret_cast<uint32_t*>(dst + col0 + nt * 8 + 2 * c) =
+              pack_bf16(o[rb][nt][2 * half] * inv, o[rb][nt][2 * half + 1] * inv);
+        }
+      }
+    }
+  }
+  __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
+  // (a thread that issues no copies and not the claimer, whose next claim's round trip hides this one's)
+  if (tid == kThreads - 1) signal_item_done(prm, cx);
+#ifdef KDTREE_EXP_TRACE
+  if (tid == 0 && blockIdx.x < 2) {
+    printf("TRACE block %d item %d tiles %d prologue %lld total %lld\n", blockIdx.x, item, cx.ntiles,
+           t_item - t_fetch, clock64() - t_item);
+    for (int it = 0; it < min(cx.ntiles, 64); ++it)
+      printf("TRACE block %d item %d it %2d | %6lld %6lld %6lld %6lld | %6lld %6lld %6lld %6lld\n", blockIdx.x, item, it,
+             sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4], sm.trace[it][5],
+             sm.trace[it][6], sm.trace[it][7]);
+  }
+  __syncthreads();
+#endif
+}
+
+// The mma.sync split-K kernel over bf16 keys. DraftsApart (KV scales on a bf16 pool, Params::drafts_apart): the plan
+// gives the drafts a split of their own, whose items score them unscaled, while the prefix items scale their scores by
+// k_scale and their outputs by v_scale (SGLang's k_descale / v_descale, which apply to prefix keys only).
+template <int Stages, typename Shape = MmaWide, bool DraftsApart = false>
+__global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel(Params prm) {
+  constexpr int kBlockM = Shape::kBlockM, kRowBlocks = Shape::kRowBlocks, kKeyHalves = Shape::kKeyHalves;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
   // consumer Blackwell (99 KB per block): only the 2-stage kernel is ever launched there
   if constexpr (Stages > 2) {
@@ -165,16 +462,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
   using Smem = SharedStorage<Stages, kBlockM, kKeyHalves>;
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int g = lane >> 2;  // mma group: row within an 8-row half
-  const int c = lane & 3;   // thread in group: column pair
   grid_dependency_wait();   // the plan kernel's counter and plan
   grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
   const int total = prm.counter[1];
-  const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
-  const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
-  const int my_key = vw * kKeysPerWarp + lane;          // an issuer's key within each tile
   uint32_t phase_bits = 0u;                  // bit b: mbarrier parity buffer b waits for next
 
   if (tid == 0) {
@@ -192,287 +482,18 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
   uint32_t pair_bits = 0u;   // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full
 
   for (int k = 0;; ++k) {
+    long long t_fetch = 0;
 #ifdef KDTREE_EXP_TRACE
-    const long long t_fetch = clock64();
+    t_fetch = clock64();
 #endif
     if (tid == 0) sm.item = claim_item(prm, k);
     __syncthreads();
     const int item = sm.item;
     if (item >= total) return;
-
-    const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
-    const int H = prm.heads;
-
-    // ---- prologue: tiles 0 .. Stages-1 on their way, query columns [384, 576) into shared memory ----
-    // (the slot ids of tiles 0 .. Stages are loaded together first: each copy's asm orders any load
-    // after it, so loading them between the copies waits one round trip per tile)
-    long long slots[Stages + 1];
-#pragma unroll
-    for (int t = 0; t <= Stages; ++t)
-      slots[t] = issuer && t < cx.ntiles ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1;
-    if (vw >= 0) {
-#pragma unroll
-      for (int t = 0; t < Stages; ++t)
-        if (t < cx.ntiles) issue_tile(sm, prm, cx, t, t, vw, lane, slots[t]);
-    }
-    long long next_slot = slots[Stages];   // issuer lanes: slot id of the next tile to issue
-    for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {   // all copies in flight at once
-      const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
-      const int d = kQRegDims + ch * 8;   // query column
-      const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
-      if (r < cx.rows) {
-        const int rr = cx.row0 + r;
-        const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
-        src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
-      }
-      cp_async_16z(smem_u32(&sm.q_tail[r][ch * 8]), src, r < cx.rows ? 16 : 0);
-    }
-    cp_async_wait_all();   // this thread's q copies (the key rows travel as bulk copies, not cp.async)
-    __syncthreads();
-#ifdef KDTREE_EXP_TRACE
-    const long long t_item = clock64();
-#endif
-
-    if (warp < kScoreWarps) {
-      // =========================== score warps ===========================
-      const int rb = kKeyHalves == 1 ? warp : warp % kRowBlocks;   // row block of this warp
-      const int kh = kKeyHalves == 1 ? 0 : warp / kRowBlocks;      // its key half
-      const int wrow = rb * 16;                       // first tile row of this warp
-      const bool active = wrow < cx.rows;
-      uint32_t qa[kQRegSteps][4];                     // q_nope columns [0, 384) as A fragments
-      {
-        const __nv_bfloat16* qrow[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = wrow + g + half * 8;
-          const int rr = cx.row0 + r;
-          const int n = rr / H, h = rr - n * H;
-          qrow[half] = r < cx.rows ? prm.q_nope + (long long)(cx.rp.qo_begin + n) * prm.q_nope_st +
-                                         (long long)h * prm.q_nope_sh
-                                   : nullptr;
-        }
-#pragma unroll
-        for (int ks = 0; ks < kQRegSteps; ++ks) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int half = j & 1, col = ks * 16 + (j >> 1) * 8 + 2 * c;
-            qa[ks][j] = qrow[half] ? *reinterpret_cast<const uint32_t*>(qrow[half] + col) : 0u;
-          }
-        }
-      }
-      float m_run[2] = {-INFINITY, -INFINITY};
-      float l_run[2] = {0.f, 0.f};
-
-      for (int it = 0; it < cx.ntiles; ++it) {
-        const int b = it % Stages;
-        // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile
-        // it-Stages): they refilled this buffer only after finishing it.
-        mbar_wait_buffer(sm.full, phase_bits, b);
-        if (warp == 0) KDTREE_TRACE(0);
-        // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
-        // finished with it (the refill is issued after), but that chain runs through the copy
-        // engine; this barrier states the order directly (and lets racecheck see it).
-        if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
-        if (warp == 0) KDTREE_TRACE(1);
-        if (active) {
-          float acc[kGroups][4] = {};   // this warp's n8 key tiles: independent mma chains
-#ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
-          // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8 (of this warp's keys)
-          const __nv_bfloat16* kbase =
-              &sm.kv[b][kh * (kTileN / kKeyHalves) + ((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
-#pragma unroll
-          for (int ks = 0; ks < kQRegSteps; ++ks) {
-            uint32_t b0[4], b1[4];
-            ldmatrix_x4(b0, kbase + ks * 16);
-            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
-            mma_bf16(acc[0], qa[ks], b0[0], b0[1]);
-            mma_bf16(acc[1], qa[ks], b0[2], b0[3]);
-            if constexpr (kGroups == 4) {
-              mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
-              mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
-            }
-          }
-          const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
-#pragma unroll
-          for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
-            uint32_t a[4], b0[4], b1[4];
-            ldmatrix_x4(a, qtbase + ks * 16);
-            ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
-            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
-            mma_bf16(acc[0], a, b0[0], b0[1]);
-            mma_bf16(acc[1], a, b0[2], b0[3]);
-            if constexpr (kGroups == 4) {
-              mma_bf16(acc[2], a, b1[0], b1[1]);
-              mma_bf16(acc[3], a, b1[2], b1[3]);
-            }
-          }
-#endif
-
-#ifdef KDTREE_EXP_TRACE
-          if (warp == 0) {   // stamp once the score product has landed in the accumulators
-            if (acc[0][0] == 12345.f && acc[kGroups - 1][3] == 12345.f) sm.row_m[0] = 0.f;
-            KDTREE_TRACE(2);
-          }
-#endif
-          // ---- scale, mask, online softmax ----
-          float tmax[2];
-          scale_mask_max<kGroups>(prm, cx, H, cx.k0 + it * kTileN + kh * (kTileN / kKeyHalves), wrow + g, c, acc,
-                                  tmax);
-          if constexpr (kKeyHalves == 2) {
-            // the pair's row maxima meet in slot it % 2: stored, released on this warp's mbarrier, the other's
-            // acquired (the other warp read this slot's previous value before its arrival one tile ago)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) tmax[half] = quad_max(tmax[half]);
-            const int slot = it & 1;
-            if (c == 0) {
-              sm.mx[slot][kh][wrow + g] = tmax[0];
-              sm.mx[slot][kh][wrow + g + 8] = tmax[1];
-            }
-            mbar_arrive(&sm.mx_full[rb][kh][slot]);
-            mbar_wait(&sm.mx_full[rb][1 - kh][slot], (pair_bits >> slot) & 1u);
-            pair_bits ^= 1u << slot;
-            tmax[0] = fmaxf(tmax[0], sm.mx[slot][1 - kh][wrow + g]);
-            tmax[1] = fmaxf(tmax[1], sm.mx[slot][1 - kh][wrow + g + 8]);
-          }
-          float alpha[2], m_use[2];
-          softmax_advance_tau<KDTREE_MMA_LAZY_RESCALE>(tmax, m_run, m_use, alpha);   // (m_run: the rows' reference)
-          softmax_p_pairs<kGroups>(acc, m_use, alpha, l_run, [&](int nt, int half, uint32_t pair) {
-            const int row = wrow + g + half * 8;
-            *reinterpret_cast<uint32_t*>(&sm.p[b][0][0] + p_off(row, kh * kGroups + nt) + 2 * c) = pair;
-          });
-          if (c == 0 && kh == 0) {   // both warps of a pair hold the same alpha
-            sm.alpha[b][wrow + g] = alpha[0];
-            sm.alpha[b][wrow + g + 8] = alpha[1];
-          }
-        }
-        bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
-        if (warp == 0) KDTREE_TRACE(3);
-      }
-      if constexpr (kKeyHalves == 2) {   // key half 1's row sums join half 0's (quad sums first)
-        quad_sum_rows(l_run);
-        if (kh == 1) {
-          if (c == 0) {
-            sm.xl[wrow + g] = l_run[0];
-            sm.xl[wrow + g + 8] = l_run[1];
-          }
-          mbar_arrive(&sm.xl_full[rb]);   // (xl is written again only after the item's closing __syncthreads)
-        } else {   // one lane per quad carries the pair's sums (finish_rows sums the quad again)
-          mbar_wait(&sm.xl_full[rb], (pair_bits >> 2) & 1u);
-          const float o0 = sm.xl[wrow + g], o1 = sm.xl[wrow + g + 8];
-          l_run[0] = c == 0 ? l_run[0] + o0 : 0.f;
-          l_run[1] = c == 0 ? l_run[1] + o1 : 0.f;
-        }
-        pair_bits ^= 4u;
-      }
-      if (kh == 0) {
-        finish_rows(prm, cx, H, wrow, g, c, m_run, l_run, sm.row_m, sm.row_l,
-                    [] { bar_arrive(kBarBlock, kThreads); });   // the value warps' epilogue barrier (they wait)
-      } else {
-        bar_arrive(kBarBlock, kThreads);
-      }
-    } else {
-      // =========================== value warps ===========================
-      const int col0 = vw * kValueCols;
-      const int rblocks = (cx.rows + 15) / 16;   // warp-uniform: skip all-padding row blocks
-      float o[kRowBlocks][kValueCols / 8][4] = {};
-
-      for (int it = 0; it < cx.ntiles; ++it) {
-        const int b = it % Stages;
-        bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
-        mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
-        if (vw == 0) KDTREE_TRACE(4);
-#pragma unroll
-        for (int rb = 0; rb < kRowBlocks; ++rb) {
-          const float a0 = sm.alpha[b][rb * 16 + g];
-          const float a1 = sm.alpha[b][rb * 16 + g + 8];
-          // once the running maxima settle, alpha is exactly 1 for whole row blocks: skip 32 FMULs
-          if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
-#pragma unroll
-            for (int nt = 0; nt < kValueCols / 8; ++nt) {
-              o[rb][nt][0] *= a0;
-              o[rb][nt][1] *= a0;
-              o[rb][nt][2] *= a1;
-              o[rb][nt][3] *= a1;
-            }
-          }
-        }
-#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
-#pragma unroll
-        for (int kk = 0; kk < kTileN / 16; ++kk) {
-          uint32_t pa[kRowBlocks][4];
-#pragma unroll
-          for (int rb = 0; rb < kRowBlocks; ++rb) {
-            const int row = rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            if (rb < rblocks) ldmatrix_x4(pa[rb], &sm.p[b][0][0] + p_off(row, 2 * kk + (lane >> 4)));
-          }
-          // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
-          const __nv_bfloat16* vbase =
-              &sm.kv[b][kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
-#pragma unroll
-          for (int np = 0; np < kValueCols / 16; ++np) {
-            uint32_t vb[4];
-            ldmatrix_x4_trans(vb, vbase + np * 16);
-#pragma unroll
-            for (int rb = 0; rb < kRowBlocks; ++rb) {
-              if (rb < rblocks) {
-                mma_bf16(o[rb][2 * np], pa[rb], vb[0], vb[1]);
-                mma_bf16(o[rb][2 * np + 1], pa[rb], vb[2], vb[3]);
-              }
-            }
-          }
-        }
-#endif
-#ifdef KDTREE_EXP_TRACE
-        if (vw == 0) {   // stamp once P V has landed in the accumulators
-          if (o[0][0][0] == 12345.f && o[0][7][3] == 12345.f) sm.row_l[0] = 0.f;
-          KDTREE_TRACE(5);
-        }
-#endif
-        if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kThreads);   // P/alpha[b] free for tile it+Stages
-        // every value warp is done with buffer b (the score warps finished it before publishing P):
-        // refill it with tile it+Stages
-        bar_sync(kBarValues, kValueWarps * 32);
-        if (vw == 0) KDTREE_TRACE(6);
-        if (it + Stages < cx.ntiles) {
-          issue_tile(sm, prm, cx, it + Stages, b, vw, lane, next_slot);
-          if (issuer && it + Stages + 1 < cx.ntiles)
-            next_slot = key_slot(prm, cx, cx.k0 + (it + Stages + 1) * kTileN + my_key);
-        }
-        if (vw == 0) KDTREE_TRACE(7);
-      }
-      bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps (which only arrive)
-#pragma unroll
-      for (int rb = 0; rb < kRowBlocks; ++rb) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = rb * 16 + g + half * 8;
-          if (r >= cx.rows) continue;
-          const float l = sm.row_l[r];
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          __nv_bfloat16* dst = result_row(prm, cx, r);
-#pragma unroll
-          for (int nt = 0; nt < kValueCols / 8; ++nt) {
-            *reinterpret_cast<uint32_t*>(dst + col0 + nt * 8 + 2 * c) =
-                pack_bf16(o[rb][nt][2 * half] * inv, o[rb][nt][2 * half + 1] * inv);
-          }
-        }
-      }
-    }
-    __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
-    // (a thread that issues no copies and not the claimer, whose next claim's round trip hides this one's)
-    if (tid == kThreads - 1) signal_item_done(prm, cx);
-#ifdef KDTREE_EXP_TRACE
-    if (tid == 0 && blockIdx.x < 2) {
-      printf("TRACE block %d item %d tiles %d prologue %lld total %lld\n", blockIdx.x, item, cx.ntiles,
-             t_item - t_fetch, clock64() - t_item);
-      for (int it = 0; it < min(cx.ntiles, 64); ++it)
-        printf("TRACE block %d item %d it %2d | %6lld %6lld %6lld %6lld | %6lld %6lld %6lld %6lld\n", blockIdx.x, item, it,
-               sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4], sm.trace[it][5],
-               sm.trace[it][6], sm.trace[it][7]);
-    }
-    __syncthreads();
-#endif
+    const ItemCtx cx = item_ctx<kBlockM, kTileN, DraftsApart>(prm, item);
+    const bool scaled = DraftsApart && cx.split < cx.rp.chunked;   // a prefix item of a scaled call
+    mma_item<Stages, Shape>(sm, prm, cx, scaled ? prm.scale_log2 * prm.k_scale : prm.scale_log2,
+                            scaled ? prm.v_scale : 1.f, phase_bits, pair_bits, item, t_fetch);
   }
   }
 }

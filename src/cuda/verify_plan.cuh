@@ -1,17 +1,20 @@
-// verify_plan.cuh: the plan kernel. One block writes each request's plan (ReqPlan: split count and chunk from the
+// verify_plan.cuh: the plan (prep) kernel. One block writes each request's plan (ReqPlan: split count and chunk from the
 // split rule, row tiles, the offsets of its work items and partial rows) and the totals the split and combine
-// kernels read; blocks 1.. pack the tree mask when the call asks for it. A request's plan depends only on its own
-// length and row tiles, so a request gets the same splits alone and inside any batch (batch invariance).
+// kernels read; other blocks pack the tree mask and split q into e4m3 terms when the call asks for them. A request's
+// plan depends only on its own length and row tiles, so a request gets the same splits alone and inside any batch
+// (batch invariance).
 #pragma once
 
 #include "verify_common.cuh"
 #include "verify_mask.cuh"
 #include "verify_profiling.cuh"
 #include "verify_ptx.cuh"
+#include "verify_q8.cuh"
 
 namespace kdtree {
 
 constexpr int kPlanThreads = 256;
+static_assert(kQ8RowsPerBlock * 32 == kPlanThreads, "the q blocks run one warp a row");
 
 // The plan of request b alone (item_begin and partial_row are the caller's scan): its lengths, row tiles, splits and
 // chunk; `items` its work items, `rows` its partial rows (0 when it is not split).
@@ -71,11 +74,14 @@ __device__ __forceinline__ void write_plan_totals(const Params& prm, int items, 
   prm.counter[2] = combine_slices(max_nsplit);
 }
 
-// One block plans (exclusive scans of items and partial rows over the requests): batches of up to 32 requests in
-// one warp with shuffle scans and no block barrier (the split pass waits on this kernel), larger ones block-wide.
-// A call that packs its own tree mask (Params::pack_mask) launches more blocks: blocks 1.. pack it, kPlanThreads words
-// each.
-__global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params prm) {
+// The prep kernel of a call: everything the split pass reads besides the caller's tensors, in one launch.
+// - Block 0, unless the call reuses a plan (Params::plan_blocks 0), plans: exclusive scans of items and partial rows over
+//   the requests, batches of up to 32 requests in one warp with shuffle scans and no block barrier (the split pass waits
+//   on this kernel), larger ones block-wide.
+// - The next Params::pack_blocks blocks pack the tree mask, kPlanThreads words each, when the call packs its own.
+// - The rest, for an FP8 call, split q into e4m3 terms (verify_q8.cuh), kQ8RowsPerBlock rows each.
+// (launch bounds with one block an SM: without it ptxas held the q blocks' work to 48 registers and spilled)
+__global__ void __launch_bounds__(kPlanThreads, 1) kdtree_verify_plan_kernel(Params prm) {
   __shared__ int s_items[kPlanThreads];
   __shared__ long long s_rows[kPlanThreads];
   __shared__ int s_carry_items;
@@ -84,12 +90,18 @@ __global__ void __launch_bounds__(kPlanThreads) kdtree_verify_plan_kernel(Params
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(1, 0);
   grid_dependency_launch_dependents();
-  grid_dependency_wait();   // the indptr arrays may come from the previous kernel on the stream
+  grid_dependency_wait();   // the indptr arrays (and q) may come from the previous kernel on the stream
   KDTREE_TIMELINE(1, 1);
-  if (blockIdx.x > 0) {   // the tree mask, packed beside the plan (launched only with prm.pack_mask)
+  const int block = (int)blockIdx.x - prm.plan_blocks;
+  if (block >= prm.pack_blocks) {   // q's e4m3 terms
+    const int row = (block - prm.pack_blocks) * kQ8RowsPerBlock + tid / 32;
+    if (row < prm.num_tokens * prm.heads) quantize_q_row(prm, row, tid & 31);
+    return;
+  }
+  if (block >= 0) {   // the tree mask
     pack_tree_mask_word(prm.pack_mask, prm.pack_mask_indptr, prm.qo_indptr, prm.qo_indptr_64, prm.kv_indptr, prm.batch,
                         prm.num_tokens, const_cast<uint64_t*>(prm.tree_mask), prm.mask_words,
-                        (long long)(blockIdx.x - 1) * kPlanThreads + tid);
+                        (long long)block * kPlanThreads + tid);
     KDTREE_TIMELINE(1, 2);
     return;
   }

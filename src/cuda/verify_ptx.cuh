@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 namespace kdtree {
@@ -79,6 +80,49 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// D += A(16x32, row) * B(32x8, col), e4m3 in, fp32 accumulate: the FP8 kernel's one MMA primitive. Where the build
+// targets the sm_120 family's arch-specific code (sm_120a / sm_121a) it is the block-scaled form (kind::mxf8f6f4, ue8m0
+// scale 0x7f = 2^0 for every row and column: callers apply their scales in fp32), which runs at twice the rate of the
+// plain form on consumer Blackwell; elsewhere it is the plain e4m3 mma.sync (sm_89+), whose fragments are the same:
+// the stand-in that runs the sm_120 code path on an H100/H200. With unit scales both compute the same sums.
+#if defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && __CUDA_ARCH_FAMILY_SPECIFIC__ >= 1200 && __CUDA_ARCH_FAMILY_SPECIFIC__ < 1300
+#define KDTREE_E4M3_NATIVE 1   // device code of this compilation runs e4m3 mma.sync natively (and block-scaled)
+#else
+#define KDTREE_E4M3_NATIVE 0
+#endif
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if KDTREE_E4M3_NATIVE
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e4m3.f32.ue8m0 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3}, %10, {0, 0}, %10, {0, 0};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0x7f7f7f7fu));
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats to two e4m3 (round to nearest even, saturating at +-448): lo in bits 0-7, hi in bits 8-15.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ __half2 as_half2(uint32_t x) {
+  __half2 h;
+  memcpy(&h, &x, sizeof(h));
+  return h;
+}
+__device__ __forceinline__ float2 f16x2_to_float2(uint32_t x) { return __half22float2(as_half2(x)); }
+// Two e4m3 (bits 0-7, 8-15 of x) to an f16x2, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
+  return r;
+}
 // ---- mbarrier + bulk copy (sm_90+, also sm_120): the gather of whole 1152-byte key rows ----
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));

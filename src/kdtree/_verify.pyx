@@ -22,6 +22,8 @@ cdef extern from "kdtree_verify.h" nogil:
         KDTREE_MAX_MASK_WORDS
         KDTREE_INDEX_INT32
         KDTREE_INDEX_INT64
+        KDTREE_KV_BF16
+        KDTREE_KV_E4M3
         KDTREE_OK
         KDTREE_ERR_BATCH
         KDTREE_ERR_NUM_TOKENS
@@ -34,6 +36,8 @@ cdef extern from "kdtree_verify.h" nogil:
         KDTREE_KERNEL_MMA_32ROW
         KDTREE_KERNEL_DUAL
         KDTREE_KERNEL_SKINNY
+        KDTREE_KERNEL_MMA_FP8
+        KDTREE_KERNEL_MMA_SCALED
 
     ctypedef struct kdtree_verify_params:
         const void* q_nope
@@ -66,6 +70,9 @@ cdef extern from "kdtree_verify.h" nogil:
         int reuse_plan
         const uint8_t* pack_custom_mask
         const int64_t* pack_mask_indptr
+        int kv_dtype
+        float k_scale
+        float v_scale
 
     size_t kdtree_verify_workspace_size(int batch_size, int num_tokens, int num_heads)
     int kdtree_verify_launch(const kdtree_verify_params* params, void* stream)
@@ -76,7 +83,8 @@ cdef extern from "kdtree_verify.h" nogil:
     const char* kdtree_status_string(int status)
     const char* kdtree_compiled_archs()
     int kdtree_verify_split_kernel(int* kernel)
-    int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int* kernel)
+    int kdtree_verify_call_kernel(int batch_size, int num_tokens, int num_heads, int kv_dtype, int kv_scaled,
+                                  int* kernel)
 
 
 HEAD_DIM_NOPE = KDTREE_HEAD_DIM_NOPE
@@ -87,6 +95,8 @@ MAX_HEADS = KDTREE_MAX_HEADS
 MAX_MASK_WORDS = KDTREE_MAX_MASK_WORDS
 INDEX_INT32 = KDTREE_INDEX_INT32
 INDEX_INT64 = KDTREE_INDEX_INT64
+KV_BF16 = KDTREE_KV_BF16
+KV_E4M3 = KDTREE_KV_E4M3
 
 
 def status_string(status):
@@ -101,15 +111,17 @@ def compiled_archs():
 
 _KERNEL_NAMES = {KDTREE_KERNEL_MMA_2STAGE: "mma.sync-2stage", KDTREE_KERNEL_MMA_3STAGE: "mma.sync-3stage",
                  KDTREE_KERNEL_MMA_32ROW: "mma.sync-2stage-32row", KDTREE_KERNEL_DUAL: "wgmma-dual",
-                 KDTREE_KERNEL_SKINNY: "wgmma-skinny"}
+                 KDTREE_KERNEL_SKINNY: "wgmma-skinny", KDTREE_KERNEL_MMA_FP8: "mma.sync-fp8",
+                 KDTREE_KERNEL_MMA_SCALED: "mma.sync-scaled"}
 
 
-def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
+def split_kernel(batch_size=None, num_tokens=None, num_heads=None, kv_dtype=KDTREE_KV_BF16, kv_scaled=False):
     """The split kernel that runs on the current device: ``"wgmma-dual"`` or ``"wgmma-skinny"`` (sm_90a; the second
     only under KDTREE_SPLIT_KERNEL=skinny), ``"mma.sync-3stage"`` or ``"mma.sync-2stage"``. Given all three
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
     runs the dual kernel and no request can exceed 16 rows, ``"mma.sync-2stage-32row"`` where it runs the 2-stage
-    kernel and no request can exceed 32 rows). Raises KdtreeError when no device is usable."""
+    kernel and no request can exceed 32 rows; ``"mma.sync-fp8"`` for ``kv_dtype=KV_E4M3``, ``"mma.sync-scaled"`` for a
+    bf16 pool with ``kv_scaled``: KV scales other than 1). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
     cdef int status
     sizes = (batch_size, num_tokens, num_heads)
@@ -119,7 +131,8 @@ def split_kernel(batch_size=None, num_tokens=None, num_heads=None):
         raise ValueError("split_kernel: give batch_size, num_tokens and num_heads together, or none of them")
     else:
         status = kdtree_verify_call_kernel(_c_int(batch_size, "batch_size"), _c_int(num_tokens, "num_tokens"),
-                                           _c_int(num_heads, "num_heads"), &kernel)
+                                           _c_int(num_heads, "num_heads"), _c_int(kv_dtype, "kv_dtype"),
+                                           1 if kv_scaled else 0, &kernel)
     if status != 0:
         raise KdtreeError(status, "split_kernel")
     return _KERNEL_NAMES.get(kernel, str(kernel))
@@ -208,15 +221,17 @@ def launch(*, q_nope, q_nope_stride_t, q_nope_stride_h, q_pe, q_pe_stride_t, q_p
            kv_cache, kv_stride_s, num_slots, kv_indices, kv_indices_dtype, kv_indptr,
            k_new, k_new_stride_t, qo_indptr, qo_indptr_dtype, tree_mask, tree_mask_words,
            out, out_stride_t, out_stride_h, batch_size, num_tokens, num_heads, sm_scale,
-           workspace, workspace_bytes, stream, reuse_plan=False, pack_custom_mask=0, pack_mask_indptr=0):
+           workspace, workspace_bytes, stream, reuse_plan=False, pack_custom_mask=0, pack_mask_indptr=0,
+           kv_dtype=KDTREE_KV_BF16, k_scale=1.0, v_scale=1.0):
     """Run kdtree_verify_launch on ``stream`` (asynchronous; the GIL is released during the call).
 
     Shapes, dtypes and stride units are those of ``kdtree_verify_params`` in kdtree_verify.h.
     ``tree_mask=0`` means a causal chain. ``reuse_plan=True`` skips the plan kernel and runs on the
     plan the workspace holds from the previous call (same batch, tokens, heads and indptr values:
     the header says when that is safe). ``pack_custom_mask`` / ``pack_mask_indptr`` (SGLang's flat custom_mask and
-    its int64 indptr): the call packs them into ``tree_mask`` itself, in its plan kernel. Raises KdtreeError on a
-    non-zero status.
+    its int64 indptr): the call packs them into ``tree_mask`` itself, in its plan kernel. ``kv_dtype`` (KV_BF16 or
+    KV_E4M3), ``k_scale``, ``v_scale``: the pool's element type and SGLang's k_descale / v_descale (prefix keys only).
+    Raises KdtreeError on a non-zero status.
     """
     if not isinstance(reuse_plan, bool):
         raise TypeError(f"reuse_plan must be a bool, got {type(reuse_plan).__name__}")
@@ -251,6 +266,9 @@ def launch(*, q_nope, q_nope_stride_t, q_nope_stride_h, q_pe, q_pe_stride_t, q_p
     p.reuse_plan = 1 if reuse_plan else 0
     p.pack_custom_mask = <const uint8_t*>_ptr(pack_custom_mask, "pack_custom_mask")
     p.pack_mask_indptr = <const int64_t*>_ptr(pack_mask_indptr, "pack_mask_indptr")
+    p.kv_dtype = _c_int(kv_dtype, "kv_dtype")
+    p.k_scale = _f32(k_scale, "k_scale")
+    p.v_scale = _f32(v_scale, "v_scale")
     cdef void* c_stream = <void*>_ptr(stream, "stream")
     cdef int status
     with nogil:
