@@ -1,7 +1,7 @@
 """kdtree vs SGLang's Triton extend kernel on the benchmark's shape set, in one process, on the same inputs.
 
 Run on a GPU machine (SGLang importable; on the device machine `source .carry/sglang/activate` first):
-    python benchmarks/bench.py --out bench.json [--quick] [--no-sglang] [--small-rows]
+    python benchmarks/bench.py --out bench.json [--quick] [--no-sglang] [--small-rows] [--kv e4m3]
 Writes one JSON record per shape; benchmarks/report.py turns it into docs/results/<gpu>_<date>.md and .png.
 
 Conventions (docs/performance.md): CUDA-event medians after warm-up (triton.testing.do_bench), the whole kdtree
@@ -30,7 +30,8 @@ from kdtree.synthetic import make_verify_batch  # noqa: E402
 MEM_BW = 4.23e12        # B/s, the H200's measured copy bandwidth (docs/performance.md)
 MMA_WGMMA = 773e12      # FLOP/s, the H200's cuBLAS bf16 matmul (the floor's compute rate)
 MMA_SYNC = 640e12       # FLOP/s, the H200's mma.sync m16n8k16 register-only loop
-BYTES_PER_KEY = 576 * 2
+BYTES_PER_KEY = {"bf16": 576 * 2, "e4m3": 576}
+KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 FLOP_PER_ROW_KEY = 2 * (576 + 512)
 MIN_POOL_SLOTS = 262_144  # 302 MB of bf16 latent rows: several times the 50-60 MB L2
 
@@ -55,10 +56,12 @@ def shapes(quick: bool, small_rows: bool = False):
     return rows
 
 
-def floors(prefixes, heads, n):
+def floors(prefixes, heads, n, kv="bf16"):
+    """Bytes, FLOPs and the floors at the H200's ceilings. An e4m3 pool moves half the bytes; its FLOPs are bounded
+    here at the bf16 matrix rates (the ceilings measured), so its floor is a lower bound only where bytes bind."""
     keys = sum(p + n for p in prefixes)
     rows = heads * n
-    byts = keys * BYTES_PER_KEY
+    byts = keys * BYTES_PER_KEY[kv]
     flops = FLOP_PER_ROW_KEY * rows * keys
     return byts, flops, max(byts / MEM_BW, flops / MMA_WGMMA), max(byts / MEM_BW, flops / MMA_SYNC)
 
@@ -77,14 +80,14 @@ def sglang_extend():
         return None
 
 
-def verify_call(prefixes, heads, n, seed, separate_mask=False, **batch_kw):
+def verify_call(prefixes, heads, n, seed, separate_mask=False, kv="bf16", **batch_kw):
     """A benchmark batch on the GPU and the timed calls on it: (batch, out, kd, layer). kd() is the whole verify
     call: kdtree.verify_attention into out, packing SGLang's custom_mask in its plan kernel, as kdtree.sglang_patch
     does on a pass's first layer (separate_mask: kdtree.build_tree_mask's pack kernel first, then the call);
     layer() is the per-layer call of the SGLang integration, which packs the mask once per forward pass
     (kdtree.sglang_patch reuses it for every later layer): plan, split and combine on a mask packed here."""
     b = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=seed,
-                          min_pool_slots=MIN_POOL_SLOTS, poison=False, **batch_kw)
+                          min_pool_slots=MIN_POOL_SLOTS, poison=False, kv_dtype=KV_DTYPES[kv], **batch_kw)
     t, h = b.q.shape[:2]
     q_nope, q_pe = split_mla_q(b.q)
     kv = kv_cache_2d(b.kv_buffer)
@@ -114,8 +117,8 @@ def graph_bench_ms(fn, rep_ms=300):
     return bench_ms(g.replay, rep_ms)
 
 
-def run_shape(s, extend_fwd, seed, separate_mask=False):
-    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask,
+def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16"):
+    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask, kv=kv,
                                     pad=s.get("pad", 0), causal_none=s.get("causal_none", False),
                                     shuffle=s.get("shuffle", True))
     t, h = b.q.shape[:2]
@@ -126,11 +129,11 @@ def run_shape(s, extend_fwd, seed, separate_mask=False):
     graph_ms = graph_bench_ms(kd)
     layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
-               split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h),
+               kv=kv, split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h, kdtree.ops.KV_DTYPES[KV_DTYPES[kv]]),
                shuffled=s.get("shuffle", True), mask_packed="separately" if separate_mask else "in the call",
                kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)
-    byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"])
+    byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"], kv)
     rec.update(kv_bytes=byts, flops=flops, floor_us=floor * 1e6, floor_mma_sync_us=floor_sync * 1e6,
                kdtree_gbps=byts / (kd_ms * 1e-3) / 1e9, kdtree_tflops=flops / (kd_ms * 1e-3) / 1e12,
                pct_floor=100 * floor / (kd_ms * 1e-3))
@@ -154,6 +157,13 @@ def run_shape(s, extend_fwd, seed, separate_mask=False):
         torch.cuda.synchronize()
         diff = (out.float() - o.float()).norm() / o.float().norm()
         rec["rel_err_vs_sglang"] = diff.item()
+        if kv != "bf16":   # both against the float32 reference on the dequantised pool (kdtree's must not exceed)
+            from kdtree.reference import verify_attention_reference
+            args = b.verify_args()
+            ref = verify_attention_reference(**args).float()
+            rec["rel_err_kdtree"] = ((out.float() - ref).norm() / ref.norm()).item()
+            rec["rel_err_sglang"] = ((o.float() - ref).norm() / ref.norm()).item()
+            del ref, args
     del b
     torch.cuda.empty_cache()
     return rec
@@ -192,6 +202,7 @@ def main():
     ap.add_argument("--small-rows", action="store_true", help="add shapes of <= 16 rows per request")
     ap.add_argument("--separate-mask", action="store_true",
                     help="the whole call packs the mask with build_tree_mask's kernel first")
+    ap.add_argument("--kv", choices=sorted(KV_DTYPES), default="bf16", help="the pool's element type")
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()
@@ -200,13 +211,15 @@ def main():
     for i, s in enumerate(shapes(args.quick, args.small_rows)):
         if args.only and not any(o and o in s["name"] for o in args.only.split(",")):
             continue
-        rec = run_shape(s, extend_fwd, seed=100 + i, separate_mask=args.separate_mask)
+        rec = run_shape(s, extend_fwd, seed=100 + i, separate_mask=args.separate_mask, kv=args.kv)
         recs.append(rec)
         print(f"{rec['name']:<34} kdtree {rec['kdtree_us']:8.1f} us (graph {rec['kdtree_graph_us']:8.1f}, "
               f"layer {rec['kdtree_layer_graph_us']:7.1f})  floor {rec['floor_us']:7.1f} us "
               f"({rec['pct_floor']:5.1f}%)  {rec['kdtree_gbps']:7.0f} GB/s {rec['kdtree_tflops']:6.1f} TF/s"
               + (f"  sglang {rec['sglang_us']:9.1f} us  x{rec['speedup']:6.1f}  err {rec['rel_err_vs_sglang']:.1e}"
-                 if "sglang_us" in rec else ""), flush=True)
+                 if "sglang_us" in rec else "")
+              + (f"  vs ref: kdtree {rec['rel_err_kdtree']:.2e} sglang {rec['rel_err_sglang']:.2e}"
+                 if "rel_err_kdtree" in rec else ""), flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(env=env, results=recs), f, indent=1)
 

@@ -218,8 +218,9 @@ def test_kv_cache_2d_keeps_a_padded_row_stride():
 
 
 def test_kv_cache_2d_rejects_bad_input():
-    with pytest.raises(TypeError, match="key_buffer must be bfloat16, got torch.float8_e4m3fn"):
-        kv_cache_2d(torch.zeros(4, 1, 576).to(torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="key_buffer must be bfloat16 or float8_e4m3fn, got torch.float8_e5m2"):
+        kv_cache_2d(torch.zeros(4, 1, 576).to(torch.float8_e5m2))
+    assert kv_cache_2d(torch.zeros(4, 1, 576).to(torch.float8_e4m3fn)).shape == (4, 576)
     with pytest.raises(ValueError, match=r"got shape \(4, 2, 576\)"):
         kv_cache_2d(torch.zeros(4, 2, 576, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"got shape \(4, 512\)"):

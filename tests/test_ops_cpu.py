@@ -151,7 +151,8 @@ BAD = [
     # (argument, how to break it, exception, message regex)
     ("q_nope", lambda t: t.to(torch.float16), TypeError, r"q_nope must be bfloat16, got torch.float16"),
     ("q_pe", lambda t: t.float(), TypeError, r"q_pe must be bfloat16, got torch.float32"),
-    ("kv_cache", lambda t: t.to(torch.float16), TypeError, r"kv_cache must be bfloat16, got torch.float16"),
+    ("kv_cache", lambda t: t.to(torch.float16), TypeError,
+     r"kv_cache must be bfloat16 or float8_e4m3fn, got torch.float16"),
     ("k_new", lambda t: t.float(), TypeError, r"k_new must be bfloat16, got torch.float32"),
     ("kv_indptr", lambda t: t.long(), TypeError, r"kv_indptr must be int32, got torch.int64"),
     ("kv_indices", lambda t: t.float(), TypeError, r"kv_indices must be int32 or int64, got torch.float32"),

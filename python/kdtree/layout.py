@@ -57,14 +57,14 @@ def kv_cache_2d(key_buffer: torch.Tensor) -> torch.Tensor:
     """The MLA latent pool as a ``[S, 576]`` view (no copy).
 
     Args:
-        key_buffer: ``MLATokenToKVPool.get_key_buffer(layer_id)``, ``[S, 1, 576]`` bfloat16, or an
-            already 2-D ``[S, 576]`` bfloat16 tensor; last dimension contiguous.
+        key_buffer: ``MLATokenToKVPool.get_key_buffer(layer_id)``, ``[S, 1, 576]`` bfloat16 or float8_e4m3fn (an
+            fp8_e4m3 KV cache), or an already 2-D ``[S, 576]`` tensor of those; last dimension contiguous.
     Returns:
         ``[S, 576]`` view of the same storage (row stride = the buffer's slot stride).
     """
     _require_tensor(key_buffer, "key_buffer")
-    if key_buffer.dtype != torch.bfloat16:
-        raise TypeError(f"key_buffer must be bfloat16, got {key_buffer.dtype}")
+    if key_buffer.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise TypeError(f"key_buffer must be bfloat16 or float8_e4m3fn, got {key_buffer.dtype}")
     if key_buffer.dim() == 3:
         if key_buffer.shape[1] != 1 or key_buffer.shape[2] != HEAD_DIM_QK:
             raise ValueError(f"key_buffer must be [S, 1, {HEAD_DIM_QK}] or [S, {HEAD_DIM_QK}], "

@@ -47,6 +47,10 @@ MAX_HEADS = 128
 MAX_MASK_WORDS = 8
 INDEX_INT32 = 0
 INDEX_INT64 = 1
+KV_BF16 = 0
+KV_E4M3 = 1
+#: pool element types the kernel reads: bf16 rows, or SGLang's fp8_e4m3 rows (576 bytes)
+KV_DTYPES = {torch.bfloat16: KV_BF16, torch.float8_e4m3fn: KV_E4M3}
 _ALIGN_BYTES = 16
 _WORKSPACE_ALIGN_BYTES = 256
 _INDEX_CODES = {torch.int32: INDEX_INT32, torch.int64: INDEX_INT64}
@@ -111,11 +115,11 @@ def _row_strides(t: torch.Tensor, name: str, width: int):
 
 def _check_cuda_strides(q_nope, q_pe, kv_cache, k_new, out, checked) -> None:
     """CUDA only, once per signature: every row stride the kernel walks is a multiple of 16 bytes."""
-    per = _ALIGN_BYTES // 2   # bf16 elements
     for name, t, strides in (("q_nope", q_nope, (checked.q_nope_st, checked.q_nope_sh)),
                              ("q_pe", q_pe, (checked.q_pe_st, checked.q_pe_sh)),
                              ("kv_cache", kv_cache, (checked.kv_st,)), ("k_new", k_new, (checked.k_new_st,)),
                              ("out", out, (checked.out_st, checked.out_sh) if out is not None else ())):
+        per = _ALIGN_BYTES // t.element_size() if t is not None else 1
         if any(s % per for s in strides):
             raise ValueError(f"{name} row strides must be multiples of {per} elements "
                              f"({_ALIGN_BYTES} bytes), got strides {t.stride()}")
@@ -163,12 +167,13 @@ def _index_vector(t, name: str, device, *dtypes) -> torch.Tensor:
     return t
 
 
-def _sm_scale(sm_scale) -> float:
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
-        raise TypeError(f"sm_scale must be a real number (a host float), got {type(sm_scale).__name__}")
-    value = float(sm_scale)
+def _positive_scale(value, name: str) -> float:
+    """A host float, finite and > 0 (sm_scale, k_scale, v_scale); the message names the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (a host float), got {type(value).__name__}")
+    value = float(value)
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"sm_scale must be finite and positive, got {value}")
+        raise ValueError(f"{name} must be finite and positive, got {value}")
     return value
 
 
@@ -281,9 +286,11 @@ def _check_structure(q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k
     device = q_nope.device
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
         _tensor(t, name)
-    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv_cache", kv_cache), ("k_new", k_new)):
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("k_new", k_new)):
         _dtype(t, name, torch.bfloat16)
         _device(t, name, device)
+    _dtype(kv_cache, "kv_cache", *KV_DTYPES)
+    _device(kv_cache, "kv_cache", device)
 
     _dims(q_nope, "q_nope", 3, f"[T, H, {HEAD_DIM_NOPE}]")
     T, H = int(q_nope.shape[0]), int(q_nope.shape[1])
@@ -374,6 +381,8 @@ def verify_attention(
     reuse_plan: bool = False,
     custom_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged tree-verify attention over MLA latents for a batch of B requests.
 
@@ -381,14 +390,16 @@ def verify_attention(
     P_b = ``kv_indptr[b+1] - kv_indptr[b]`` pool slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
     Each row attends to all P_b prefix keys plus the drafts of its request that ``tree_mask``
     allows (bit j of word ``j // 64``), or drafts ``j <= n`` when ``tree_mask`` is None.
-    ``score = sm_scale * (q_nope . key[:512] + q_pe . key[512:])``, values are ``key[:512]``.
-    A row that sees no key gets zeros.
+    ``score = sm_scale * (q_nope . key[:512] + q_pe . key[512:])``, values are ``key[:512]``, where a prefix key is
+    its pool row times ``k_scale`` (scores) and ``v_scale`` (values), SGLang's k_descale / v_descale, and a draft its
+    ``k_new`` row, unscaled. A row that sees no key gets zeros.
 
     Args:
         q_nope: ``[T, H, 512]`` bfloat16, last dim contiguous, any t/h strides (a view of SGLang's q).
         q_pe: ``[T, H, 64]`` bfloat16, same T and H, last dim contiguous.
-        kv_cache: ``[S, 576]`` bfloat16 latent pool (see :func:`kdtree.layout.kv_cache_2d`),
-            row stride >= 576, last dim contiguous.
+        kv_cache: ``[S, 576]`` latent pool (see :func:`kdtree.layout.kv_cache_2d`), bfloat16 or float8_e4m3fn
+            (SGLang's fp8_e4m3 KV cache; the kernel computes its prefix in e4m3, see docs/design.md), row stride
+            >= 576, last dim contiguous.
         kv_indptr: ``[B + 1]`` int32.
         kv_indices: 1-D int32 or int64 slot ids (may be longer than ``kv_indptr[B]``).
         qo_indptr: ``[B + 1]`` int32 or int64, ``qo_indptr[B] == T``.
@@ -412,6 +423,9 @@ def verify_attention(
             ``torch.empty(T, kdtree.layout.mask_words(max_n), dtype=torch.int64)``) that later calls may pass
             packed. On CUDA the packing runs inside the call's plan kernel: one kernel and one dependency wait fewer
             than ``build_tree_mask`` before the call (with ``reuse_plan``, the pack kernel runs instead).
+        k_scale, v_scale: positive finite host floats, 1 for none: a prefix key scores as ``k_scale`` times its pool
+            row and its value counts as ``v_scale`` times the row's first 512 (SGLang's ``layer.k_scale_float`` /
+            ``v_scale_float`` where the layer has both scales). The drafts are never scaled.
     Returns:
         ``out`` (allocated with ``torch.empty`` when not given), ``[T, H, 512]`` bfloat16.
 
@@ -436,7 +450,9 @@ def verify_attention(
                 _CHECKED.clear()
             _CHECKED[key] = checked
     device, T, H, B, words, q_nope_st, q_nope_sh, q_pe_st, q_pe_sh, kv_st, k_new_st, out_st, out_sh = checked
-    scale = _sm_scale(sm_scale)
+    scale = _positive_scale(sm_scale, "sm_scale")
+    k_scale = _positive_scale(k_scale, "k_scale")
+    v_scale = _positive_scale(v_scale, "v_scale")
     if not isinstance(reuse_plan, bool):
         raise TypeError(f"reuse_plan must be a bool, got {type(reuse_plan).__name__}")
 
@@ -449,7 +465,7 @@ def verify_attention(
                              f"while the inputs are on {device}")
         result = verify_attention_reference(
             q_nope, q_pe, kv_cache, kv_indptr, kv_indices, qo_indptr, k_new, tree_mask, scale,
-            dtype=torch.float32)
+            dtype=torch.float32, k_scale=k_scale, v_scale=v_scale)
         if out is None:
             return result.to(q_nope.dtype)
         out.copy_(result)
@@ -529,6 +545,9 @@ def verify_attention(
             reuse_plan=reuse_plan,
             pack_custom_mask=pack_mask,
             pack_mask_indptr=pack_indptr,
+            kv_dtype=KV_DTYPES[kv_cache.dtype],
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return out
 
@@ -562,15 +581,17 @@ def verify_attention_mla(
     reuse_plan: bool = False,
     custom_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """:func:`verify_attention` on SGLang's MLA tensors as the backend receives them.
 
     Args:
         q: ``[T, H, 576]`` bfloat16 (nope then rope; split with views).
         k: ``[T, 1, 576]`` or ``[T, 576]`` bfloat16, the verify tokens' latent rows.
-        key_buffer: the pool's ``[S, 1, 576]`` (or ``[S, 576]``) bfloat16 key buffer.
+        key_buffer: the pool's ``[S, 1, 576]`` (or ``[S, 576]``) key buffer, bfloat16 or float8_e4m3fn.
         kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, workspace, reuse_plan, custom_mask,
-            mask_indptr: as in verify_attention.
+            mask_indptr, k_scale, v_scale: as in verify_attention.
     Returns:
         ``[T, H, 512]`` bfloat16.
     """
@@ -582,4 +603,4 @@ def verify_attention_mla(
         k = k.select(1, 0)
     return verify_attention(q_nope, q_pe, kv_cache_2d(key_buffer), kv_indptr, kv_indices, qo_indptr, k,
                             tree_mask, sm_scale, out=out, workspace=workspace, reuse_plan=reuse_plan,
-                            custom_mask=custom_mask, mask_indptr=mask_indptr)
+                            custom_mask=custom_mask, mask_indptr=mask_indptr, k_scale=k_scale, v_scale=v_scale)

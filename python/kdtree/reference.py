@@ -8,6 +8,8 @@ Semantics, per request b (rows ``qo_indptr[b]:qo_indptr[b+1]``, N_b of them; pre
 ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, P_b of them):
 
 * keys are the P_b prefix rows ``kv_cache[slot]`` in that order, then the N_b rows ``k_new[qo_indptr[b]:]``;
+  a prefix key scores as ``k_scale * kv_cache[slot]`` and its value is ``v_scale * kv_cache[slot][:512]`` (SGLang's
+  k_descale / v_descale, on the pool's values dequantised exactly: bf16 or e4m3 to float); drafts are unscaled;
 * ``score = sm_scale * (q_nope . key[:512] + q_pe . key[512:])``;
 * every prefix key is visible; draft key j is visible to verify token n iff bit j of
   ``tree_mask[qo_indptr[b] + n]`` is set, or ``j <= n`` when ``tree_mask`` is None (causal chain);
@@ -59,6 +61,8 @@ def verify_attention_reference(
     sm_scale: float,
     *,
     dtype: torch.dtype = torch.float32,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Reference tree-verify attention; returns ``[T, H, 512]`` in ``dtype`` on q_nope's device.
 
@@ -74,6 +78,7 @@ def verify_attention_reference(
             or None for a causal chain.
         sm_scale: softmax scale.
         dtype: computation and output dtype, ``torch.float32`` or ``torch.float64``.
+        k_scale, v_scale: the prefix keys' score and value factors (1: none).
 
     Index tensors are read on the host (this is a reference, not a graph-capturable path).
     Raises ValueError for inconsistent sizes (indptr lengths, ``qo_indptr[B] != T``, indices out of
@@ -127,7 +132,9 @@ def verify_attention_reference(
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= S):
             raise ValueError(f"kv_indices of request {b} leave the pool [0, {S})")
         p_b = slots.numel()
-        keys = torch.cat([kv_cache[slots].to(dtype), k_new[t0:t1].to(dtype)], dim=0)  # [P+N, 576]
+        prefix = kv_cache[slots].to(dtype)
+        keys = torch.cat([prefix * k_scale, k_new[t0:t1].to(dtype)], dim=0)  # [P+N, 576]
+        values = torch.cat([prefix[:, :HEAD_DIM_V] * v_scale, k_new[t0:t1, :HEAD_DIM_V].to(dtype)], dim=0)
         q = torch.cat([q_nope[t0:t1].to(dtype), q_pe[t0:t1].to(dtype)], dim=-1)  # [N, H, 576]
         scores = torch.einsum("nhd,kd->nhk", q, keys) * sm_scale
 
@@ -144,7 +151,7 @@ def verify_attention_reference(
         row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         p = torch.exp(scores - row_max)  # exactly 0 for the invisible keys (exp(-inf))
         denom = p.sum(dim=-1, keepdim=True)
-        acc = torch.einsum("nhk,kd->nhd", p, keys[:, :HEAD_DIM_V])
+        acc = torch.einsum("nhk,kd->nhd", p, values)
         # a row with no visible key has denom == 0 and gets zeros, never 0/0
         out[t0:t1] = torch.where(denom == 0, torch.zeros_like(acc), acc / torch.where(denom == 0, 1.0, denom))
     return out

@@ -21,7 +21,7 @@ __all__ = ["VerifyBatch", "make_verify_batch", "random_tree_visibility"]
 class VerifyBatch:
     q: torch.Tensor              # [T, H, 576] bf16
     k: torch.Tensor              # [T, 1, 576] bf16, the verify tokens' latent rows
-    kv_buffer: torch.Tensor      # [S, 1, 576] bf16 pool; unused slots NaN when poisoned
+    kv_buffer: torch.Tensor      # [S, 1, 576] bf16 or float8_e4m3fn pool; unused slots NaN when poisoned
     kv_indptr: torch.Tensor      # [B + 1] int32
     kv_indices: torch.Tensor     # [sum P] int64
     qo_indptr: torch.Tensor      # [B + 1] int32
@@ -93,6 +93,7 @@ def make_verify_batch(
     poison: bool = True,
     sm_scale: float = 192 ** -0.5,
     graph_tails: bool = False,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> VerifyBatch:
     """Build one verify batch: ``len(prefixes)`` requests, each with ``num_tokens`` verify tokens.
 
@@ -100,7 +101,9 @@ def make_verify_batch(
     built from a random visibility of ``kind`` with ``pad`` all-False rows (prefix columns too).
     ``graph_tails=True`` lays ``kv_indices`` and ``custom_mask`` out as SGLang's CUDA-graph buffers
     hold them: longer than the indptrs delimit, the tails garbage (slot ids that may name poisoned
-    slots, random mask bytes) that a correct consumer never reads."""
+    slots, random mask bytes) that a correct consumer never reads. ``kv_dtype=torch.float8_e4m3fn`` builds an e4m3
+    pool (SGLang's fp8_e4m3 KV cache: the rows are the bf16 values rounded to e4m3; poisoned slots hold the e4m3 NaN
+    byte 0x7F)."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)                 # trees (host)
     dgen = torch.Generator(device=dev).manual_seed(seed)      # tensors, drawn where they live
@@ -117,13 +120,15 @@ def make_verify_batch(
     # slot 0 is SGLang's padding slot: never handed out
     perm = (torch.randperm(slots - 1, generator=dgen, device=dev) + 1 if shuffle
             else torch.arange(1, slots, device=dev))
+    if kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"kv_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {kv_dtype}")
     if poison:
-        pool = torch.full((slots, 1, 576), float("nan"), dtype=torch.bfloat16, device=dev)
+        pool = torch.full((slots, 1, 576), float("nan"), dtype=torch.bfloat16, device=dev).to(kv_dtype)
     else:
-        pool = randn(slots, 1, 576)
+        pool = randn(slots, 1, 576).to(kv_dtype)
     kv_indices = perm[:total_p].to(torch.int64)
     out_cache_loc = perm[total_p:total_p + t].to(torch.int64)
-    pool[kv_indices] = randn(total_p, 1, 576)
+    pool[kv_indices] = randn(total_p, 1, 576).to(kv_dtype)
     q = randn(t, num_heads, 576)
     k = randn(t, 1, 576)
     kv_indptr = torch.zeros(b + 1, dtype=torch.int32)

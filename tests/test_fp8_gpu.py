@@ -1,0 +1,118 @@
+"""The FP8 kernel (e4m3 pools) and the scaled bf16 kernel on a GPU, beyond the kernel grid that KDTREE_TEST_KV=e4m3
+runs through tests/test_kernel_gpu.py: which kernel a call runs, KV scales, large queries, and the accuracy against
+SGLang's fp8 numerics (the model of tests/fp8_model.py) on the same inputs.
+"""
+
+import pytest
+import torch
+
+import kdtree
+from kdtree import _ext
+from kdtree.reference import verify_attention_reference
+from kdtree.synthetic import make_verify_batch
+
+from fp8_model import sglang_fp8
+
+pytestmark = pytest.mark.gpu
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _rel(got, ref):
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _run(args, **kw):
+    t, h = args["q_nope"].shape[:2]
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=args["q_nope"].device)
+    kdtree.verify_attention(**args, out=out, **kw)
+    assert torch.isfinite(out).all(), "NaN/Inf in the output (an unwritten element, or a poisoned slot read)"
+    return out
+
+
+def test_calls_run_the_fp8_and_scaled_kernels():
+    ext = _ext.load()
+    for b, t, h in [(1, 9, 16), (1, 1, 16), (4, 36, 16), (2, 3, 128)]:
+        assert ext.split_kernel(b, t, h, ext.KV_E4M3) == "mma.sync-fp8"
+        assert ext.split_kernel(b, t, h, ext.KV_E4M3, True) == "mma.sync-fp8"
+        assert ext.split_kernel(b, t, h, ext.KV_BF16, True) == "mma.sync-scaled"
+        assert ext.split_kernel(b, t, h, ext.KV_BF16) not in ("mma.sync-fp8", "mma.sync-scaled")
+
+
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.37, 2.5), (4.0, 0.125)])
+@pytest.mark.parametrize("prefixes", [[0], [1], [700], [5000, 33, 0, 2100]])
+def test_kv_scales(kv, k_scale, v_scale, prefixes):
+    dtype = E4M3 if kv == "e4m3" else torch.bfloat16
+    batch = make_verify_batch(prefixes, 16, 9, kind="tree", pad=1, device="cuda", seed=len(prefixes) * 7 + prefixes[0],
+                              kv_dtype=dtype)
+    args = batch.verify_args()
+    out = _run(args, k_scale=k_scale, v_scale=v_scale)
+    ref = verify_attention_reference(**args, k_scale=k_scale, v_scale=v_scale)
+    tol = 3e-2 if kv == "e4m3" else 1e-2
+    assert _rel(out, ref) < tol
+    if (k_scale, v_scale) != (1.0, 1.0) and sum(prefixes) > 0:   # the scales are applied, not ignored
+        unscaled = verify_attention_reference(**args)
+        assert _rel(out, unscaled) > 5 * _rel(out, ref)
+
+
+@pytest.mark.parametrize("qscale", [1e-3, 1.0, 30.0, 1e3])
+def test_large_and_small_queries_stay_finite_and_accurate(qscale):
+    # |q| up to ~4e3 (N(0, 1) x 1e3): SGLang's unscaled e4m3 cast of q saturates there; the row-scaled split does not
+    batch = make_verify_batch([3000, 17], 16, 9, kind="tree", device="cuda", seed=int(qscale * 10) + 1, kv_dtype=E4M3)
+    batch.q = (batch.q.float() * qscale).to(torch.bfloat16)
+    args = batch.verify_args()
+    out = _run(args)
+    ref = verify_attention_reference(**args)
+    assert _rel(out, ref) < 3e-2
+
+
+@pytest.mark.parametrize("prefixes, heads, n, qscale", [
+    ([64], 16, 9, 1.0), ([1000], 16, 9, 1.0), ([4000], 16, 9, 1.0), ([2000, 300], 8, 9, 1.0), ([1000], 16, 33, 1.0),
+    ([1000], 16, 9, 30.0),
+])
+def test_more_accurate_than_sglang_fp8(prefixes, heads, n, qscale):
+    """The kernel's error against the float64 reference on the dequantised pool does not exceed SGLang's (its fp8
+    numerics, tests/fp8_model.py) on the same inputs."""
+    batch = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=sum(prefixes) + n, kv_dtype=E4M3)
+    batch.q = (batch.q.float() * qscale).to(torch.bfloat16)
+    args = batch.verify_args()
+    out = _run(args)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    ref = verify_attention_reference(**cpu, dtype=torch.float64)
+    q = batch.q.cpu()
+    sg = sglang_fp8(q, cpu["kv_cache"], cpu["kv_indptr"], cpu["kv_indices"], cpu["qo_indptr"], cpu["k_new"],
+                    cpu["tree_mask"], cpu["sm_scale"])
+    mine, theirs = _rel(out.cpu(), ref), _rel(sg, ref)
+    assert mine <= theirs, f"kdtree {mine:.3e} > SGLang's fp8 numerics {theirs:.3e}"
+
+
+def test_fp8_graph_replay_and_batch_invariance():
+    # one request alone and inside a batch of requests with its token count: bit for bit (batch invariance); and the
+    # same call replayed from a CUDA graph on fresh inputs of the same shapes
+    solo = make_verify_batch([2500], 16, 9, kind="tree", device="cuda", seed=41, kv_dtype=E4M3)
+    big = make_verify_batch([700, 2500, 90], 16, 9, kind="tree", device="cuda", seed=42, kv_dtype=E4M3)
+    lo, hi = 700, 700 + 2500
+    big.kv_buffer[big.kv_indices[lo:hi]] = solo.kv_buffer[solo.kv_indices]
+    big.q[9:18] = solo.q
+    big.k[9:18] = solo.k
+    big.custom_mask[big.mask_indptr[1]:big.mask_indptr[2]] = solo.custom_mask
+    a_solo, a_big = solo.verify_args(), big.verify_args()
+    o_solo, o_big = _run(a_solo), _run(a_big)
+    assert torch.equal(o_solo, o_big[9:18])
+
+    ws = kdtree.Workspace()
+    out = torch.empty_like(o_big)
+    kdtree.verify_attention(**a_big, out=out, workspace=ws)   # warm-up sizes the workspace
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kdtree.verify_attention(**a_big, out=out, workspace=ws)
+    gen = torch.Generator(device="cuda").manual_seed(43)   # fresh values in the same tensors
+    big.q.copy_(torch.randn(big.q.shape, generator=gen, device="cuda"))
+    big.k.copy_(torch.randn(big.k.shape, generator=gen, device="cuda"))
+    idx = big.kv_indices
+    big.kv_buffer[idx] = torch.randn((idx.numel(), 1, 576), generator=gen, device="cuda").to(E4M3)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = verify_attention_reference(**big.verify_args())
+    assert _rel(out, ref) < 3e-2
