@@ -28,28 +28,20 @@ namespace kdtree {
 // ---------------------------------------------------------------------------------------------
 // Knock-outs and parameters, as flags for `if constexpr`.
 // ---------------------------------------------------------------------------------------------
-#ifdef KDTREE_EXP_NO_SCORE_MMA
-constexpr bool kExpNoScoreMma = true;
-#else
-constexpr bool kExpNoScoreMma = false;
-#endif
-#ifdef KDTREE_EXP_NO_PV_MMA
-constexpr bool kExpNoPvMma = true;
-#else
-constexpr bool kExpNoPvMma = false;
-#endif
-// Not a measure of delivery without DRAM at full scale: 132 SMs reading one 1,152-byte row meet on the same L2 lines
-// (the default's H16 N9 P131072 took 329 us so, not 115).
-#ifdef KDTREE_EXP_NO_GATHER
-constexpr bool kExpNoGather = true;
-#else
-constexpr bool kExpNoGather = false;
-#endif
-#ifdef KDTREE_EXP_TIMELINE
-constexpr bool kExpTimeline = true;
-#else
-constexpr bool kExpTimeline = false;
-#endif
+// KDTREE_EXP_DEFINED(NAME): whether the build defines macro NAME (-DNAME, -DNAME=value), as #ifdef NAME, in an
+// expression: a defined NAME expands to something other than its own spelling.
+constexpr bool exp_same_spelling(const char* a, const char* b) {
+  return *a == *b && (*a == 0 || exp_same_spelling(a + 1, b + 1));
+}
+#define KDTREE_EXP_SPELLING_(x) #x
+#define KDTREE_EXP_DEFINED(name) (!::kdtree::exp_same_spelling(KDTREE_EXP_SPELLING_(name), #name))
+
+constexpr bool kExpNoScoreMma = KDTREE_EXP_DEFINED(KDTREE_EXP_NO_SCORE_MMA);
+constexpr bool kExpNoPvMma = KDTREE_EXP_DEFINED(KDTREE_EXP_NO_PV_MMA);
+// (Not a measure of delivery without DRAM at full scale: 132 SMs reading one 1,152-byte row meet on the same L2 lines;
+// the default's H16 N9 P131072 took 329 us so, not 115.)
+constexpr bool kExpNoGather = KDTREE_EXP_DEFINED(KDTREE_EXP_NO_GATHER);
+constexpr bool kExpTimeline = KDTREE_EXP_DEFINED(KDTREE_EXP_TIMELINE);
 #ifdef KDTREE_EXP_COMBINE_BLOCKS_DIV
 constexpr int kExpCombineBlocksDiv = KDTREE_EXP_COMBINE_BLOCKS_DIV;
 #else
