@@ -4,9 +4,9 @@
 // (tools/sass_digest.sh shows it). Build one as tools/README.md says; knock-out builds compute wrong results by design.
 //
 // The switches:
-//   KDTREE_EXP_TRACE               per-tile SM-clock stamps of the split kernels' first items (blocks 0 and 1), printed
-//                                  after the call by kdtree_trace_dump_kernel (tools/trace_case.py); the mma.sync kernel
-//                                  keeps and prints its own (verify_mma.cuh)
+//   KDTREE_EXP_TRACE               per-tile SM-clock stamps of the split kernels' first items (blocks 0 and 1),
+//                                  printed after the call by kdtree_trace_dump_kernel (tools/trace_case.py); the
+//                                  mma.sync kernel keeps and prints its own (verify_mma.cuh)
 //   KDTREE_EXP_TIMELINE            %globaltimer of each kernel's start, wait and end, of every combine work's steps and
 //                                  of every row tile's release, printed by the combine's last block
 //                                  (tools/timeline_case.py)
@@ -107,8 +107,10 @@ __device__ __forceinline__ void record_skinny_item(int item, int tiles) {
 #define KDTREE_DTRACE_ITEM(cond, item, tiles, q_first) \
   do { if (cond) ::kdtree::trace::record_dual_item(k, item, tiles, t_item, q_first); } while (0)
 // The skinny kernel (and km::key_producer).
-#define KDTREE_SKSTART(cond, e) do { if (blockIdx.x == 0 && (cond)) ::kdtree::trace::g_sk_start[e] = clock64(); } while (0)
-#define KDTREE_SKTRACE_ITEM(cond, item, tiles) do { if (cond) ::kdtree::trace::record_skinny_item(item, tiles); } while (0)
+#define KDTREE_SKSTART(cond, e) \
+  do { if (blockIdx.x == 0 && (cond)) ::kdtree::trace::g_sk_start[e] = clock64(); } while (0)
+#define KDTREE_SKTRACE_ITEM(cond, item, tiles) \
+  do { if (cond) ::kdtree::trace::record_skinny_item(item, tiles); } while (0)
 
 // Prints what the wgmma kernels recorded in the call just launched (one thread, launched plainly after the combine on
 // the same stream by kdtree_verify_launch) in the lines tools/trace_case.py documents, then clears the record.
