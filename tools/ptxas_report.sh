@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Writes docs/ptxas_resources.txt: registers, spills and shared memory of every kernel, for the
-# default architectures (sm_90a, sm_120), from the compiler alone (no GPU needed).
+# default architectures (sm_90a, sm_120), from the compiler alone (no GPU needed). Split kernels are named with their
+# kdtree_split_kernel_id (kdtree_verify.h); the dynamic shared memory comes from the kernels' headers (verify_mma.cuh,
+# verify_dual.cuh, verify_skinny.cuh).
 #   bash tools/ptxas_report.sh > docs/ptxas_resources.txt
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,8 +16,11 @@ for arch in 90a 120; do
        -c src/cuda/verify_launch.cu -o "$tmp/x.o" -Xptxas -v 2>&1 \
     | grep -E "Compiling entry|registers|spill|C75" | sed -E "s/^ptxas info +: //" \
     | sed -E "s/_ZN6kdtree26kdtree_verify_split_kernelILi([0-9])ENS_8MmaShapeILi([0-9]+)ELi([0-9])EEEEEvNS_6ParamsE/kdtree_verify_split_kernel<\1 stages, \2 rows x \3 key halves>/; \
-              s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelILb0EEEvNS_6ParamsE/kdtree_verify_split_skinny_kernel<small calls>/; \
-              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel/; \
+              s/(<2 stages, 48 rows x 1 key halves>)/\1 (KDTREE_KERNEL_MMA_2STAGE)/; \
+              s/(<3 stages, 48 rows x 1 key halves>)/\1 (KDTREE_KERNEL_MMA_3STAGE)/; \
+              s/(<2 stages, 32 rows x 2 key halves>)/\1 (KDTREE_KERNEL_MMA_32ROW)/; \
+              s/_ZN6kdtree2sk33kdtree_verify_split_skinny_kernelENS_6ParamsE/kdtree_verify_split_skinny_kernel (KDTREE_KERNEL_SKINNY)/; \
+              s/_ZN6kdtree4dual31kdtree_verify_split_dual_kernelENS_6ParamsE/kdtree_verify_split_dual_kernel (KDTREE_KERNEL_DUAL)/; \
               s/_ZN6kdtree28kdtree_pack_tree_mask_kernel[A-Za-z0-9_]*/kdtree_pack_tree_mask_kernel/; \
               s/_ZN6kdtree28kdtree_verify_combine_kernelENS_6ParamsE/kdtree_verify_combine_kernel/; \
               s/_ZN6kdtree25kdtree_verify_plan_kernelENS_6ParamsE/kdtree_verify_plan_kernel/"
@@ -24,6 +29,7 @@ done
 cat > "$tmp/sz.cu" <<'CU'
 #include <cstdio>
 #include "verify_dual.cuh"
+#include "verify_mma.cuh"
 #include "verify_skinny.cuh"
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B, its 32-row shape %zu B (sm_120 limit 101376), "

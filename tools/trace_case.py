@@ -7,8 +7,9 @@ first tiles: SM clocks since the item started at each stamp the TRACE build reco
 S done, P published; the value side's P taken, P V issued and done, the buffer released; the producer's copies
 started and issued), in the order the kernels number them where they take them. The dual and skinny kernels add a
 line for the start of block 0's first item (q issued and landed, the first tiles issued). The wgmma kernels keep their
-stamps in global memory and a one-thread kernel prints them after the call: a printf inside a kernel is a function
-call, across which ptxas serialises every wgmma (tests/test_ptxas.py checks the TRACE build for that).
+stamps in global memory and a one-thread kernel prints them after the call (src/cuda/verify_profiling.cuh): a printf
+inside a kernel is a function call, across which ptxas serialises every wgmma (tests/test_ptxas.py checks the TRACE
+build for that).
 """
 import sys
 

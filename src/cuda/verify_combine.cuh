@@ -19,17 +19,16 @@ namespace kdtree {
 // splits takes one block (its unused slices are skipped iterations of the stride). The block's
 // 4 x slices groups of threads each take every (4 x slices)-th split (16 bytes of partial O per thread
 // and its log-sum-exp): up to kCombineBatch splits per thread are loaded together (one memory round trip
-// for up to 32 x kCombineBatch splits; session 7: the dependent load phases of the earlier version took
-// ~7 us in a graph, this one ~5), summed against the thread's own running maximum, then rescaled to the block maximum and
-// summed over the groups in a fixed order. The slice count comes from the row's own split count:
-// batch-invariant, deterministic.
+// for up to 32 x kCombineBatch splits: ~5 us in a graph, where dependent load phases took ~7), summed against
+// the thread's own running maximum, then rescaled to the block maximum and summed over the groups in a fixed
+// order. The slice count comes from the row's own split count: batch-invariant, deterministic.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineAcc = 4 * kDimNope;   // floats of group sums: (4 x slices) groups x (512 / slices) columns
 // Blocks per SM the combine asks for (registers: <= 64 / 80 / 128): 4 with batch 8 on sm_90 (as
-// measured), 3 on sm_120 (where the work before session 35 spilled at 64 registers; today's takes 72 there and would
-// fit 64, but 4 blocks an SM have not been measured on an sm_120 GPU), 2 with batch 16.
+// measured), 3 on sm_120 (the work takes 72 registers there and would fit 64, but 4 blocks an SM have not been
+// measured on an sm_120 GPU), 2 with batch 16.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int kCombineMinBlocks = kCombineBatch == 8 ? 3 : 2;
 #else
@@ -76,12 +75,11 @@ __device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, 
 }
 
 // One work of the combine: value-column slice `slice` of 2^S of request-local row r (global row gr = t * H + h), its
-// nsplit partials merged in a fixed order. Session 35 (history 193-195): every shape of the work (columns, thread
-// groups, the group sums) is a compile-time constant, a thread's loads are one base and immediate offsets (a row's
-// splits adjacent), and the tile counter's acquire is in flight while the addresses are computed. The work before it
-// took ~4 us at the call's tail, most of it the latency of ~1,000 dependent instructions (64-bit index divisions,
-// divisions by the run-time slice shape, a 64-bit address product per split); the sums and their order are the same
-// (bit-identical output on every benchmark shape).
+// nsplit partials merged in a fixed order. Every shape of the work (columns, thread groups, the group sums) is a
+// compile-time constant, a thread's loads are one base and immediate offsets (a row's splits adjacent), and the tile
+// counter's acquire is in flight while the addresses are computed: with run-time shapes a work took ~4 us at the
+// call's tail, most of it the latency of ~1,000 dependent instructions (64-bit index divisions, divisions by the
+// run-time slice shape, a 64-bit address product per split), for the same sums in the same order.
 template <int S>
 __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& rp, int r, int nsplit, int t, int h,
                                              int slice, bool early, int w, float* s_acc, float* s_wsum, float* s_red,
@@ -116,9 +114,7 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
   }
   if (w == blockIdx.x) KDTREE_TIMELINE_LATEST(0);
   KDTREE_WORK_STAMP(w, 1);
-#ifdef KDTREE_EXP_TIMELINE
-  if (tid == 0 && w < kStampWorks) g_work_tile[w] = early ? s_tile[0] : -1;
-#endif
+  KDTREE_WORK_TILE(w, early ? s_tile[0] : -1);
   float m_run = -INFINITY, wsum = 0.f;
   float acc[8] = {};
   KDTREE_WORK_STAMP_AFTER(w, 4, (unsigned)(uintptr_t)src ^ (unsigned)prow);
@@ -137,14 +133,14 @@ __device__ __forceinline__ void combine_work(const Params& prm, const ReqPlan& r
     }
     lse += kCombineBatch * kGroups;
     src += kCombineBatch * kGroups * kDimNope;
-#ifdef KDTREE_EXP_TIMELINE
-    if (base == 0) {   // the first batch's loads have landed
-      unsigned dep = 0;
+    if constexpr (kExpTimeline) {
+      if (base == 0) {   // the first batch's loads have landed
+        unsigned dep = 0;
 #pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) dep ^= __float_as_uint(l[k]) ^ v[k].w;
-      KDTREE_WORK_STAMP_AFTER(w, 5, dep);
+        for (int k = 0; k < kCombineBatch; ++k) dep ^= __float_as_uint(l[k]) ^ v[k].w;
+        KDTREE_WORK_STAMP_AFTER(w, 5, dep);
+      }
     }
-#endif
     float m_new = m_run;
 #pragma unroll
     for (int k = 0; k < kCombineBatch; ++k) m_new = fmaxf(m_new, l[k]);
@@ -256,80 +252,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
     grid_dependency_wait();   // the split pass's completion (this kernel's then implies it)
     reset_work_counters();
   }
-#ifdef KDTREE_EXP_TIMELINE
   KDTREE_TIMELINE(3, 2);
-  __threadfence();
-  if (threadIdx.x == 0 && atomicAdd(&g_timeline_done, 1u) == gridDim.x - 1) {
-    unsigned long long t0 = ~0ull;
-    for (int k = 0; k < 4; ++k) t0 = min(t0, g_timeline[k][0]);
-    // -1: a kernel that did not run (the mask pack when the call packs its own mask)
-    auto us = [&](unsigned long long t) { return t == ~0ull || t == 0 ? -1.0 : (double)(t - t0) * 1e-3; };
-    printf("TIMELINE us from the first start: mask %.2f %.2f %.2f | plan %.2f %.2f %.2f | split %.2f %.2f %.2f | combine %.2f %.2f %.2f"
-           " (latest plan read %.2f, summed %.2f, stored %.2f)\n",
-           us(g_timeline[0][0]), us(g_timeline[0][1]), us(g_timeline[0][2]),
-           us(g_timeline[1][0]), us(g_timeline[1][1]), us(g_timeline[1][2]),
-           us(g_timeline[2][0]), us(g_timeline[2][1]), us(g_timeline[2][2]),
-           us(g_timeline[3][0]), us(g_timeline[3][1]), us(g_timeline[3][2]),
-           us(g_timeline[4][0]), us(g_timeline[4][1]), us(g_timeline[4][2]));
-    // the works: how long each waited past its tile's release, loaded and summed, stored; the latest six in full
-    {
-      const long long rows = (long long)prm.num_tokens * prm.heads, nw = min(rows * prm.counter[2], (long long)kStampWorks);
-      double s_wait = 0, s_sum = 0, s_store = 0, m_wait = 0, m_sum = 0, m_store = 0, s_sum2 = 0, m_sum2 = 0;
-      double s_addr = 0, s_land = 0, s_math = 0, m_addr = 0, m_land = 0, m_math = 0;   // summing's three parts
-      int n = 0, n2 = 0, n3 = 0;
-      long long last[6] = {-1, -1, -1, -1, -1, -1};
-      for (long long w = 0; w < nw; ++w) {
-        if (g_work[w][3] == 0 || g_work[w][1] < g_work[w][0]) continue;   // skipped (an unsplit row, an unused slice)
-        const long long tile = g_work_tile[w];
-        const unsigned long long rel = tile >= 0 ? g_tile_rel[tile % kStampTiles] : g_work[w][0];
-        const unsigned long long from = max(rel, g_work[w][0]);
-        const double dw = g_work[w][1] > from ? (g_work[w][1] - from) * 1e-3 : 0.0;
-        const double ds = (g_work[w][2] - g_work[w][1]) * 1e-3, dt = (g_work[w][3] - g_work[w][2]) * 1e-3;
-        s_wait += dw; s_sum += ds; s_store += dt; ++n;
-        if (g_work[w][4] >= g_work[w][1] && g_work[w][5] >= g_work[w][4] && g_work[w][2] >= g_work[w][5]) {
-          const double da = (g_work[w][4] - g_work[w][1]) * 1e-3, dl = (g_work[w][5] - g_work[w][4]) * 1e-3,
-                       dm = (g_work[w][2] - g_work[w][5]) * 1e-3;
-          s_addr += da; s_land += dl; s_math += dm; ++n3;
-          m_addr = fmax(m_addr, da); m_land = fmax(m_land, dl); m_math = fmax(m_math, dm);
-        }
-        if (w >= gridDim.x) { s_sum2 += ds; m_sum2 = fmax(m_sum2, ds); ++n2; }   // a block's second or later work
-        m_wait = fmax(m_wait, dw); m_sum = fmax(m_sum, ds); m_store = fmax(m_store, dt);
-        for (int j = 0; j < 6; ++j)   // insertion into the six latest stored
-          if (last[j] < 0 || g_work[w][3] > g_work[last[j]][3]) {
-            for (int k = 5; k > j; --k) last[k] = last[k - 1];
-            last[j] = w;
-            break;
-          }
-      }
-      if (n > 0)
-        printf("TIMELINE works %d: us past the tile's release to the wait's end mean %.2f max %.2f | summing mean %.2f max "
-               "%.2f | storing mean %.2f max %.2f | summing in a block's later works (%d) mean %.2f max %.2f\n", n, s_wait / n,
-               m_wait, s_sum / n, m_sum, s_store / n, m_store, n2, n2 ? s_sum2 / n2 : 0.0, m_sum2);
-      if (n3 > 0)
-        printf("TIMELINE summing in parts (%d works): wait's end to addresses mean %.2f max %.2f | to the first batch "
-               "landed mean %.2f max %.2f | to summed mean %.2f max %.2f\n", n3, s_addr / n3, m_addr, s_land / n3, m_land,
-               s_math / n3, m_math);
-      for (int j = 0; j < 6 && last[j] >= 0; ++j) {
-        const long long w = last[j], tile = g_work_tile[w];
-        printf("TIMELINE work %lld (tile %lld): released %.2f | start %.2f waited %.2f addresses %.2f landed %.2f summed %.2f"
-               " stored %.2f\n", w, tile,
-               tile >= 0 ? (double)(g_tile_rel[tile % kStampTiles] - t0) * 1e-3 : -1.0, (double)(g_work[w][0] - t0) * 1e-3,
-               (double)(g_work[w][1] - t0) * 1e-3, (double)(g_work[w][4] - t0) * 1e-3, (double)(g_work[w][5] - t0) * 1e-3,
-               (double)(g_work[w][2] - t0) * 1e-3, (double)(g_work[w][3] - t0) * 1e-3);
-      }
-      if (g_item_store[2])
-        printf("TIMELINE split items %llu: storing O to the barrier after it mean %.2f max %.2f us\n", g_item_store[2],
-               g_item_store[1] * 1e-3 / g_item_store[2], g_item_store[0] * 1e-3);
-      g_item_store[0] = g_item_store[1] = g_item_store[2] = 0;
-      for (long long w = 0; w < kStampWorks; ++w)
-        for (int e = 0; e < 6; ++e) g_work[w][e] = 0;
-      for (int i = 0; i < kStampTiles; ++i) g_tile_rel[i] = 0;
-    }
-    for (int k = 0; k < 4; ++k) { g_timeline[k][0] = g_timeline[k][1] = ~0ull; g_timeline[k][2] = 0; }
-    g_timeline[4][0] = g_timeline[4][1] = g_timeline[4][2] = 0;
-    g_timeline_done = 0;
-  }
-#endif
+  KDTREE_TIMELINE_REPORT(prm);   // (printed by the last block to end)
 }
 
 }  // namespace kdtree

@@ -103,24 +103,6 @@ static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 51
 static_assert(kStages % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
 static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
-#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock stamps of block 0 (shared memory has no room for them),
-// in trace::g_tile, printed after the call (wg::trace)
-#define KDTREE_DTRACE(e)                                                                    \
-  do {                                                                                      \
-    if (blockIdx.x == 0 && lane == 0 && k < wg::trace::kItems && t < wg::trace::kTiles)     \
-      wg::trace::g_tile[0][k][t][e] = (unsigned)(clock64() - t_item);                       \
-  } while (0)
-// the start of block 0's first item, in SM clocks: score thread 0's item start, q copies issued, its q
-// landed, both score warpgroups' q landed; value thread 0's item start; the producer's tile 0 issued, (6) its wait for
-// q, the whole ring issued
-__device__ long long g_start[8];
-__device__ int g_start_qfirst;   // kQFirst once g_start holds a call's stamps (the dump kernel clears it)
-#define KDTREE_DSTART(cond, e) do { if (blockIdx.x == 0 && k == 0 && (cond)) g_start[e] = clock64(); } while (0)
-#else
-#define KDTREE_DTRACE(e) do { } while (0)
-#define KDTREE_DSTART(cond, e) do { } while (0)
-#endif
-
 // Producer thread i's part of tile t (kProducerKeys keys: wg::copy_tile) into ring buffer b, then its arrival on the
 // buffer's mbarrier once it has landed; nothing past the item's last tile.
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
@@ -178,9 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
-#ifdef KDTREE_EXP_TRACE
-      const long long t_item = clock64();   // just after the item fetch, as the value side's
-#endif
+      KDTREE_TRACE_ITEM_START;   // (TRACE) just after the item fetch, as the value side's
       KDTREE_DSTART(tid == 0, 0);
 
       // q of the item: nine TMA boxes (64 rows x one 64-column slab each) from one thread (the 256 score threads'
@@ -221,9 +201,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           wg::wg_fence();
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
-#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
-            if (ks > 0) continue;
-#endif
+            if constexpr (kExpNoScoreMma) {   // profiling aid: one k-step instead of 36
+              if (ks > 0) continue;
+            }
             const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
             const uint64_t db = kd.at((ks >> 2) * kSlabBytes + (ks & 3) * 32);
             wg::wgmma_m64n32k16_ss(sc, da, db, ks > 0);
@@ -300,13 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         write_partial_lse_rows(prm, cx, H, wrow + g, c, m_fin, l_fin);
       }
       sync_block_roles();   // the item's shared memory is consumed before the next item starts
-#ifdef KDTREE_EXP_TRACE
-      if (tid == 0 && blockIdx.x == 0 && k < wg::trace::kItems) {   // (printed after the call: wg::trace)
-        wg::trace::g_item[0][k] = {item, nt, clock64() - t_item};
-        wg::trace::g_items[0] = k + 1;
-        if (k == 0) g_start_qfirst = kQFirst;
-      }
-#endif
+      KDTREE_DTRACE_ITEM(tid == 0, item, nt, kQFirst);
     }
   } else if (warp < 16) {
     // =========================== value warpgroups ===========================
@@ -321,9 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         return;
       }
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
-#ifdef KDTREE_EXP_TRACE
-      const long long t_item = clock64();
-#endif
+      KDTREE_TRACE_ITEM_START;
       KDTREE_DSTART(vt == 0, 4);
 
       float o[128];
@@ -354,9 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           wg::wg_fence();
 #pragma unroll
           for (int kk = 0; kk < kPvSteps; ++kk) {
-#ifdef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
-            continue;
-#endif
+            if constexpr (kExpNoPvMma) continue;   // profiling aid: skip P V
             const uint64_t da = pd + ((kk * 32) >> 4);
             wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
             wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kSlabBytes + kk * 16 * 128));
@@ -401,9 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
       const int nt = cx.ntiles;
-#ifdef KDTREE_EXP_TRACE
-      const long long t_item = clock64();
-#endif
+      KDTREE_TRACE_ITEM_START;
       long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);

@@ -19,46 +19,6 @@
 #include "verify_dual.cuh"
 #include "verify_skinny.cuh"
 
-#ifdef KDTREE_EXP_TRACE
-namespace kdtree {
-// Profiling aid (TRACE builds, session 22): prints what the wgmma kernels recorded in the call just launched (one
-// thread, after the combine on the same stream; they no longer call printf, across which ptxas serialised their
-// wgmma: wg::trace) in the lines benchmarks/trace_case.py and experiments.sh read, then clears the record.
-__global__ void kdtree_trace_dump_kernel() {
-  namespace rec = wg::trace;
-  for (int b = 0; b < 2; ++b) {
-    for (int k = 0; k < rec::g_items[b]; ++k) {
-      const rec::ItemRec r = rec::g_item[b][k];
-      printf("TRACE block %d item %d tiles %d total %lld\n", b, r.item, r.tiles, r.total);
-      if (b == 0 && k == 0 && dual::g_start_qfirst) {   // the dual kernel's item start
-        const long long* g = dual::g_start;
-        printf("TRACE block 0 item %d start | q issued %lld, q landed (thread 0) %lld, (all) %lld | value side: "
-               "start %lld, tile 0 issued %lld, tiles < %d issued %lld, ring issued %lld\n", r.item, g[1] - g[0],
-               g[2] - g[0], g[3] - g[0], g[4] - g[0], g[5] - g[0], dual::g_start_qfirst, g[6] - g[0], g[7] - g[0]);
-      }
-      for (int t = 0; t < min(r.tiles, rec::kTiles); ++t) {
-        const unsigned* e = rec::g_tile[b][k][t];
-        printf("TRACE block %d item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u | %6u %6u | %6u %6u %6u"
-               " | %6u %6u %6u\n", b, r.item, t, e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10],
-               e[11], e[12], e[13], e[14], e[15]);
-      }
-    }
-    rec::g_items[b] = 0;
-  }
-  dual::g_start_qfirst = 0;
-  if (km::g_sk_item[2]) {   // the skinny kernel's first item start
-    volatile long long* const st = km::g_sk_start;
-    const long long t0 = min(st[0], st[6]);
-    printf("TRACE block 0 skinny item %d tiles %d | consumer: fetched %lld, q issued %lld, q landed %lld, tile 0 "
-           "landed %lld, its S^T done %lld, item end %lld | producer: fetched %lld, tile 0 issued %lld, tile 1 "
-           "issued %lld\n", km::g_sk_item[0], km::g_sk_item[1], st[0] - t0, st[1] - t0, st[2] - t0, st[3] - t0,
-           st[4] - t0, st[5] - t0, st[6] - t0, st[7] - t0, st[8] - t0);
-    km::g_sk_item[2] = 0;
-  }
-}
-}  // namespace kdtree
-#endif
-
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
 #endif
@@ -582,11 +542,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   // which only the plan kernel knows): one block per row at least, up to a wave of them when the
   // rows are few (and may need more slices)
   const long long combine_rows = (long long)p->num_tokens * p->num_heads;
-#ifndef KDTREE_EXP_COMBINE_BLOCKS_DIV   // profiling aid: fewer combine blocks, so that a block runs several works
-#define KDTREE_EXP_COMBINE_BLOCKS_DIV 1
-#endif
-  const long long combine_blocks =
-      std::max(1ll, std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms)) / KDTREE_EXP_COMBINE_BLOCKS_DIV);
+  // (kExpCombineBlocksDiv: 1 but in a profiling build, verify_profiling.cuh)
+  const long long combine_blocks = std::max(
+      1ll, std::max(combine_rows, std::min(combine_rows * kdtree::kCombineMaxSlices, 4ll * sms)) / kdtree::kExpCombineBlocksDiv);
   KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_combine_kernel, (unsigned)combine_blocks, kdtree::kCombineThreads,
                            0, stream, pdl, prm));
 #ifdef KDTREE_EXP_TRACE   // the wgmma kernels' stamps, printed (a plain launch: after the combine has finished)

@@ -247,14 +247,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
             *reinterpret_cast<const uint4*>(&sm.stage[r * kDimNope + ch * 8]);
       }
       if (cx.rp.nsplit > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
-#ifdef KDTREE_EXP_TRACE
       KDTREE_SKSTART(k == 0 && tid == 0, 5);
-      if (blockIdx.x == 0 && k == 0 && tid == 0) {   // (printed after the call, with the stamps: km::g_sk_start)
-        km::g_sk_item[0] = item;
-        km::g_sk_item[1] = cx.ntiles;
-        km::g_sk_item[2] = 1;
-      }
-#endif
+      KDTREE_SKTRACE_ITEM(k == 0 && tid == 0, item, cx.ntiles);
       // (stage, lred and the row statistics are written again only after the next item's barriers)
     }
   } else {

@@ -1,8 +1,8 @@
 // verify_wgmma.cuh: what the sm_90a split passes share (verify_dual.cuh, the default on H100/H200; verify_skinny.cuh,
 // calls of few rows per request): their geometry, shared-memory descriptors, the wgmma instructions they issue, the
-// copies of q and of the gathered keys, the hand-out of work items, the stores of O, the profiling record. Same work
-// items, plan, partials and combine as the mma.sync kernel in verify_mma.cuh, which every other architecture
-// (sm_120 included) runs.
+// copies of q and of the gathered keys, the hand-out of work items, the stores of O (their profiling records are in
+// verify_profiling.cuh). Same work items, plan, partials and combine as the mma.sync kernel in verify_mma.cuh, which
+// every other architecture (sm_120 included) runs.
 //
 // - A work item is (request, split, 64-row tile): rows r = n * H + h as in the mma.sync kernel, one wgmma M of 64 rows
 //   per item (the skinny kernel: 16 rows as the wgmma N), 32-key tiles.
@@ -295,22 +295,6 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
   }
 }
 
-#ifdef KDTREE_EXP_TRACE
-// Profiling aid: the wgmma kernels' TRACE builds keep their stamps in global memory, and a one-thread kernel launched
-// after the call prints them (kdtree_trace_dump_kernel, verify_launch.cu). A printf in the kernel would be a function
-// call, across which ptxas serialises every wgmma of the kernel ("C7510: wgmma pipeline crossing function boundary"):
-// such a trace times S at ~3,000 clocks, where S alone takes ~1,100 (tests/test_ptxas.py checks the TRACE build).
-namespace trace {
-constexpr int kItems = 4;    // items recorded per block: the block's first four
-constexpr int kTiles = 32;   // tiles recorded per item: the first 32
-constexpr int kStamps = 16;  // per tile: 0-3 score side, 4-7 value side, 8-15 the dual kernel's other stamps
-struct ItemRec { int item, tiles; long long total; };
-__device__ unsigned g_tile[2][kItems][kTiles][kStamps];   // blocks 0 and 1 (the dual kernel: block 0 only)
-__device__ ItemRec g_item[2][kItems];
-__device__ int g_items[2];   // items block b recorded in the latest call (the dump kernel prints and clears them)
-}  // namespace trace
-#endif
-
 }  // namespace wg
 
 // ---------------------------------------------------------------------------------------------
@@ -366,9 +350,9 @@ __device__ __forceinline__ void scores_t_steps(float (&s)[N / 2], uint32_t kv, c
   const wg::SmemDesc kd(kv, 16, 1024);
 #pragma unroll
   for (int ks = K0::value; ks < K1::value; ++ks) {
-#ifdef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: one k-step instead of 36
-    if (ks > 0) continue;
-#endif
+    if constexpr (kExpNoScoreMma) {   // profiling aid: one k-step instead of 36
+      if (ks > 0) continue;
+    }
     wgmma_m64nNk16<N, 0>(s, kd.at((ks >> 2) * SlabBytes + (ks & 3) * 32),
                          qd.at((ks >> 2) * QSlabBytes + (ks & 3) * 32), ks > 0);
   }
@@ -387,27 +371,17 @@ __device__ __forceinline__ void scores_t(float (&s)[N / 2], uint32_t kv, const w
 template <int N, int VBlocks, int SlabBytes, int PvSteps>
 __device__ __forceinline__ void values_t(float (&o)[VBlocks][N / 2], uint32_t kv, const wg::SmemDesc& pd) {
   wg::wg_fence();
-#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip O^T += V^T P^T
+  if constexpr (!kExpNoPvMma) {   // profiling aid: skip O^T += V^T P^T
 #pragma unroll
-  for (int kk = 0; kk < PvSteps; ++kk)
+    for (int kk = 0; kk < PvSteps; ++kk)
 #pragma unroll
-    for (int mb = 0; mb < VBlocks; ++mb)
-      wgmma_m64nNk16<N, 1>(o[mb], wg::SmemDesc(kv + mb * SlabBytes, SlabBytes, 1024).at(kk * 16 * 128), pd.at(kk * 32),
-                           1);
-#endif
+      for (int mb = 0; mb < VBlocks; ++mb)
+        wgmma_m64nNk16<N, 1>(o[mb], wg::SmemDesc(kv + mb * SlabBytes, SlabBytes, 1024).at(kk * 16 * 128),
+                             pd.at(kk * 32), 1);
+  }
   wg::wg_commit();
   wg::wg_wait0();
 }
-
-#ifdef KDTREE_EXP_TRACE   // profiling aid: the start of block 0's first item in the kernels whose keys come
-// from key_producer (skinny), SM clocks: the consumer's item fetched, q issued, q landed, tile 0 landed, tile
-// 0's S^T done, the item's end; the producer's item fetched, tile 0 issued, tile 1 issued
-__device__ volatile long long g_sk_start[9];
-__device__ int g_sk_item[3];   // block 0's first item, its tiles, 1 once recorded (the dump kernel clears it)
-#define KDTREE_SKSTART(cond, e) do { if (blockIdx.x == 0 && (cond)) ::kdtree::km::g_sk_start[e] = clock64(); } while (0)
-#else
-#define KDTREE_SKSTART(cond, e) do { } while (0)
-#endif
 
 // The producer of a kernel with the keys as the wgmma M: thread pt of Threads (whole warpgroups) gathers its share of
 // every tile of the block's items (Rows-row items of TileN-key tiles) into the ring of Stages key buffers sm.kv, eight
