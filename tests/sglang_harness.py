@@ -332,7 +332,7 @@ def make_pool(sg, kind: str, *, size: int, page_size: int, kv_dtype: torch.dtype
         raise ValueError(f"pool kind must be one of {POOL_KINDS}, got {kind!r}")
     common = dict(page_size=page_size, dtype=kv_dtype, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_DIM,
                   layer_num=layer_num, device=str(device), enable_memory_saver=False, start_layer=0,
-                  end_layer=layer_num - 1)
+                  end_layer=layer_num)     # the configurator passes ModelLayerInfo's exclusive end
     with parallel_context(sg):
         if kind == "mla":
             if kv_cache_dim not in (None, QK_HEAD_DIM):
