@@ -566,6 +566,25 @@ def reference_output(case: VerifyCase, dtype=torch.float64) -> torch.Tensor:
     return out.reshape(case.num_tokens, H * KV_LORA_RANK)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a tensor, so that torch.equal also compares NaN slots."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def assert_pools_identical(case: VerifyCase, twin: VerifyCase, what: str) -> None:
+    """Every tensor of the two cases' pools byte for byte (:func:`pool_tensors`: latent KV of every
+    layer, DSA index keys and scales), except the pointer tables (``data_ptrs``), which name each
+    pool's own buffers and must still do so."""
+    mine, theirs = case.pool_buffers(), twin.pool_buffers()
+    assert mine.keys() == theirs.keys(), f"{what}: the pools hold different tensors"
+    for path in mine:
+        if path == "data_ptrs":
+            for c in (case, twin):
+                assert c.pool.data_ptrs.tolist() == [b.data_ptr() for b in c.pool.kv_buffer], what
+            continue
+        assert torch.equal(bits(mine[path]), bits(theirs[path])), f"{what}: pool buffer {path} differs"
+
+
 def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, *, atol=2e-2, rtol=2e-2, what="output"):
     """bf16-level closeness: ``|a - e| <= atol + rtol * |e|`` everywhere, NaN/inf never pass."""
     a = actual.detach().to("cpu", torch.float64)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_harness import assert_close_bf16, build_case, parallel_context, reference_output
+from sglang_harness import (assert_close_bf16, assert_pools_identical, build_case, parallel_context,
+                            reference_output)
 
 from kdtree import sglang_patch
-from sglang_env import import_sglang
 
 pytestmark = pytest.mark.gpu
 
@@ -39,17 +39,6 @@ CASES = [
     ("b2_n9_odd_heads", dict(batch=2, n=9, heads=7, prefix_lens=[100, 0])),
 ]
 IDS = [c[0] for c in CASES]
-
-
-@pytest.fixture
-def sg_patch(monkeypatch):
-    monkeypatch.delenv("KDTREE_VERIFY", raising=False)
-    import_sglang()
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
-    yield sglang_patch
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
 
 
 def bits(t):
@@ -243,19 +232,6 @@ def pool_case(seed, **kwargs):
     common = dict(heads=16, n=9, metadata="sglang", reserve=32, layer_num=2)
     common.update(kwargs)
     return cuda_case(seed, **common)
-
-
-def assert_pools_identical(case, twin, what):
-    """Every tensor of the two pools byte for byte (latent KV of every layer, DSA index keys and
-    scales), except the pointer tables, which must still name each pool's own buffers."""
-    mine, theirs = case.pool_buffers(), twin.pool_buffers()
-    assert mine.keys() == theirs.keys()
-    for path in mine:
-        if path == "data_ptrs":
-            for c in (case, twin):
-                assert c.pool.data_ptrs.tolist() == [b.data_ptr() for b in c.pool.kv_buffer], what
-            continue
-        assert torch.equal(bits(mine[path]), bits(theirs[path])), f"{what}: pool buffer {path} differs"
 
 
 def _accepted(step, case):

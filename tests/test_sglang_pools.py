@@ -18,43 +18,13 @@ import logging
 import pytest
 import torch
 
-from sglang_harness import (DSA_PAGE_SIZE, assert_close_bf16, build_case, make_pool, parallel_context,
-                            reference_output)
+from sglang_harness import (DSA_PAGE_SIZE, assert_close_bf16, assert_pools_identical, bits, build_case,
+                            make_pool, parallel_context, reference_output)
 
 from kdtree import sglang_patch
 from sglang_env import import_sglang
 
 LOGGER = "kdtree.sglang_patch"
-
-
-@pytest.fixture
-def sg_patch(monkeypatch):
-    """sglang_patch with SGLang imported and unpatched, $KDTREE_VERIFY unset; restored afterwards."""
-    monkeypatch.delenv("KDTREE_VERIFY", raising=False)
-    import_sglang()
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
-    yield sglang_patch
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern of a tensor, so that torch.equal also compares NaN slots."""
-    return t.detach().contiguous().view(torch.uint8)
-
-
-def assert_pools_identical(case, twin, what):
-    """Every tensor of the two pools byte for byte, except the pointer tables (``data_ptrs``), which
-    name each pool's own buffers and must still do so."""
-    mine, theirs = case.pool_buffers(), twin.pool_buffers()
-    assert mine.keys() == theirs.keys()
-    for path in mine:
-        if path == "data_ptrs":
-            for c in (case, twin):
-                assert c.pool.data_ptrs.tolist() == [b.data_ptr() for b in c.pool.kv_buffer], what
-            continue
-        assert torch.equal(bits(mine[path]), bits(theirs[path])), f"{what}: pool buffer {path} differs"
 
 
 def triton_must_not_run(case):
