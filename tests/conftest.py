@@ -31,3 +31,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def sg_patch(monkeypatch):
+    """kdtree.sglang_patch with SGLang imported and unpatched, $KDTREE_VERIFY unset; afterwards
+    uninstalled again, and SGLang's own forward_extend back on the class."""
+    from kdtree import sglang_patch
+    from sglang_env import import_sglang
+
+    monkeypatch.delenv("KDTREE_VERIFY", raising=False)
+    cls = import_sglang().triton_backend.TritonAttnBackend
+    sglang_patch.uninstall()
+    sglang_patch.reset_stats()
+    original = cls.__dict__["forward_extend"]
+    assert not getattr(original, "_kdtree_wrapper", False)
+    yield sglang_patch
+    sglang_patch.uninstall()
+    sglang_patch.reset_stats()
+    assert cls.__dict__["forward_extend"] is original

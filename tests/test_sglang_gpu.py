@@ -5,7 +5,10 @@ Run on a GPU machine after ``source .carry/sglang/activate`` (SGLANG.md) with kd
 Every case compares the patched call with SGLang's own ``forward_extend`` (real Triton kernel) on
 an identical copy of the inputs, and with a float64 reference: bf16, B 1 and 8 with ragged
 prefixes, N 1 and 9 with trees, N 16 without a mask (DFlash chain), N 33 with all-False padding
-rows (DDTree), every pool slot the call must not read NaN, slots shuffled.
+rows (DDTree), every pool slot the call must not read NaN, slots shuffled. The pool cases run
+MLATokenToKVPool at page sizes 1, 16 and 64 and DSATokenToKVPool (64) with the metadata SGLang's
+backend builds, over three verify steps, eagerly and through a CUDA-graph capture replayed on
+refreshed metadata, and check every pool buffer byte for byte against the original's.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_harness import assert_close_bf16, build_case, parallel_context, reference_output
+from sglang_harness import (assert_close_bf16, assert_pools_identical, build_case, parallel_context,
+                            reference_output)
 
 from kdtree import sglang_patch
-from sglang_env import import_sglang
 
 pytestmark = pytest.mark.gpu
 
@@ -36,17 +39,6 @@ CASES = [
     ("b2_n9_odd_heads", dict(batch=2, n=9, heads=7, prefix_lens=[100, 0])),
 ]
 IDS = [c[0] for c in CASES]
-
-
-@pytest.fixture
-def sg_patch(monkeypatch):
-    monkeypatch.delenv("KDTREE_VERIFY", raising=False)
-    import_sglang()
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
-    yield sglang_patch
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
 
 
 def bits(t):
@@ -213,3 +205,144 @@ def test_fp8_pool_falls_back_gpu(sg_patch, monkeypatch):
     out = cuda_case(800, **kwargs).call()
     assert torch.equal(bits(out), bits(ref_out))
     assert list(sg_patch.stats()["fallback_reasons"]) == ["kv cache torch.float8_e4m3fn"]
+
+
+# ------------------------------------------------------------------------------------------------
+# KV pool classes and page sizes (README, "Deployments: the pool each model gets"): the metadata
+# is built by SGLang's own backend from req_to_token (tests/sglang_harness.py, metadata="sglang")
+# ------------------------------------------------------------------------------------------------
+
+POOL_CASES = [
+    ("mla_p1_b1", dict(pool_kind="mla", page_size=1, batch=1, prefix_lens=[4097])),
+    ("mla_p1_b4", dict(pool_kind="mla", page_size=1, batch=4, prefix_lens=[0, 63, 1000, 3001])),
+    ("mla_p16_b1", dict(pool_kind="mla", page_size=16, batch=1, prefix_lens=[2049])),
+    ("mla_p16_b4", dict(pool_kind="mla", page_size=16, batch=4, prefix_lens=[15, 16, 17, 2000])),
+    ("mla_p64_b1", dict(pool_kind="mla", page_size=64, batch=1, prefix_lens=[4097])),
+    ("mla_p64_b4", dict(pool_kind="mla", page_size=64, batch=4, prefix_lens=[63, 64, 65, 3001])),
+    ("dsa_b1", dict(pool_kind="dsa", batch=1, prefix_lens=[4097])),
+    ("dsa_b4", dict(pool_kind="dsa", batch=4, prefix_lens=[0, 64, 129, 3001])),
+    ("dsa_b4_chain16", dict(pool_kind="dsa", batch=4, n=16, mask="none", prefix_lens=[5, 64, 1000, 2049])),
+]
+POOL_IDS = [c[0] for c in POOL_CASES]
+#: per step, draft tokens each request commits before the next verify
+POOL_ACCEPTED = [[9, 0, 4, 1], [2, 7, 0, 9]]
+
+
+def pool_case(seed, **kwargs):
+    common = dict(heads=16, n=9, metadata="sglang", reserve=32, layer_num=2)
+    common.update(kwargs)
+    return cuda_case(seed, **common)
+
+
+def _accepted(step, case):
+    return [min(a, case.n) for a in POOL_ACCEPTED[step][:len(case.prefix_lens)]]
+
+
+@pytest.mark.parametrize("name,kwargs", POOL_CASES, ids=POOL_IDS)
+def test_pools_on_matches_sglang_over_verify_steps_gpu(sg_patch, name, kwargs):
+    unpatched, case = pool_case(900, **kwargs), pool_case(900, **kwargs)
+    for step in range(3):
+        sg_patch.install("off", propagate=False)
+        if step:
+            unpatched.advance(_accepted(step - 1, unpatched), seed=910 + step)
+        ref_out = unpatched.call()
+        sg_patch.install("on", propagate=False)
+        if step:
+            case.advance(_accepted(step - 1, case), seed=910 + step)
+        refuse_triton(case)
+        out = case.call()
+        torch.cuda.synchronize()
+        what = f"{name} step {step}"
+        expected = reference_output(case)
+        assert_close_bf16(ref_out, expected, what=f"SGLang original ({what})")
+        assert_close_bf16(out, expected, what=f"kdtree ({what})")
+        assert_close_bf16(out, ref_out.double(), what=f"kdtree vs SGLang ({what})")
+        assert_pools_identical(case, unpatched, what)
+    s = sg_patch.stats()
+    assert (s["served"], s["fallback"]) == (3, 0), s
+
+
+@pytest.mark.parametrize("name,kwargs", [POOL_CASES[3], POOL_CASES[5], POOL_CASES[6], POOL_CASES[7], POOL_CASES[8]],
+                         ids=[POOL_IDS[3], POOL_IDS[5], POOL_IDS[6], POOL_IDS[7], POOL_IDS[8]])
+def test_pools_cuda_graph_replay_gpu(sg_patch, name, kwargs):
+    """Capture the patched call on metadata in SGLang's CUDA-graph buffers, then replay it over two
+    more verify steps whose metadata SGLang's replay preparation refills in place
+    (init_forward_metadata_out_graph(in_capture=False)); an unpatched twin runs the original eagerly
+    on the same buffers' contents. Outputs, reference and every pool buffer agree at each step."""
+    twin = pool_case(950, graph_layout=True, **kwargs)
+    case = pool_case(950, graph_layout=True, **kwargs)
+    ref_out = twin.call()                                # step 0, eager, both sides
+    sg_patch.install("on", propagate=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = case.call()                                # warm-up: sizes the workspace
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert_close_bf16(out, ref_out.double(), what=f"{name} step 0 (eager)")
+    assert_pools_identical(case, twin, f"{name} step 0")
+
+    graph = torch.cuda.CUDAGraph()
+    with parallel_context(case.sg):
+        with torch.cuda.graph(graph):
+            static_out = case.backend.forward_extend(case.q, case.k, case.v, case.layer, case.forward_batch)
+    calls_after_capture = sg_patch.stats()["calls"]
+
+    for step in (1, 2):
+        accepted = _accepted(step - 1, case)
+        sg_patch.install("off", propagate=False)
+        twin.advance(accepted, seed=960 + step)
+        ref_out = twin.call()
+        sg_patch.install("on", propagate=False)
+        case.advance(accepted, seed=960 + step)
+        graph.replay()
+        torch.cuda.synchronize()
+        what = f"{name} replay {step}"
+        assert_close_bf16(static_out, reference_output(case), what=what)
+        assert_close_bf16(static_out, ref_out.double(), what=f"{what} vs SGLang")
+        assert_pools_identical(case, twin, what)
+    assert sg_patch.stats()["calls"] == calls_after_capture   # replays run no Python
+
+
+@pytest.mark.parametrize("name,kwargs", [POOL_CASES[5], POOL_CASES[7]], ids=[POOL_IDS[5], POOL_IDS[7]])
+def test_pools_validate_gpu(sg_patch, name, kwargs):
+    unpatched, case = pool_case(970, **kwargs), pool_case(970, **kwargs)
+    ref_out = unpatched.call()
+    sg_patch.install("validate", propagate=False)
+    out = case.call()
+    assert torch.equal(bits(out), bits(ref_out))
+    assert_pools_identical(case, unpatched, name)
+    s = sg_patch.stats()
+    assert (s["compared"], s["mismatched"], s["kernel_errors"]) == (1, 0, 0), s
+    assert s["max_tolerance_ratio"] < 1
+
+
+@pytest.mark.parametrize("kv_cache_dim,reason,raises", [(576, "kv cache torch.float8_e4m3fn", None),
+                                                        (656, "pool layout 656-byte row", AssertionError)],
+                         ids=["fp8_576", "packed_656"])
+def test_dsa_fp8_pools_fall_back_gpu(sg_patch, monkeypatch, kv_cache_dim, reason, raises):
+    """FP8 DSA pools: the raw 576-byte row falls back on its dtype (until the kernel reads e4m3),
+    the packed 656-byte row on its layout (SGLang's own Triton path asserts on it; so does the
+    patched call, unchanged)."""
+    kwargs = dict(pool_kind="dsa", batch=2, prefix_lens=[300, 64], kv_dtype=torch.float8_e4m3fn,
+                  kv_cache_dim=kv_cache_dim)
+    unpatched, case = pool_case(980, **kwargs), pool_case(980, **kwargs)
+
+    def refuse(*a, **k):
+        raise AssertionError("kernel ran on an fp8 pool")
+
+    if raises is None:
+        ref_out = unpatched.call()
+    else:
+        with pytest.raises(raises):
+            unpatched.call()
+    sg_patch.install("on", propagate=False)
+    monkeypatch.setattr(sglang_patch, "_kernel", refuse)
+    if raises is None:
+        assert torch.equal(bits(case.call()), bits(ref_out))
+    else:
+        with pytest.raises(raises):
+            case.call()
+    torch.cuda.synchronize()
+    assert_pools_identical(case, unpatched, reason)
+    assert sg_patch.stats()["fallback_reasons"] == {reason: 1}

@@ -26,21 +26,6 @@ from sglang_env import import_sglang
 LOGGER = "kdtree.sglang_patch"
 
 
-@pytest.fixture
-def sg_patch(monkeypatch):
-    """sglang_patch with SGLang imported and unpatched, $KDTREE_VERIFY unset; restored afterwards."""
-    monkeypatch.delenv("KDTREE_VERIFY", raising=False)
-    cls = import_sglang().triton_backend.TritonAttnBackend
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
-    original = cls.__dict__["forward_extend"]
-    assert not getattr(original, "_kdtree_wrapper", False)
-    yield sglang_patch
-    sglang_patch.uninstall()
-    sglang_patch.reset_stats()
-    assert cls.__dict__["forward_extend"] is original
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern of a tensor, so that torch.equal also compares NaN slots."""
     return t.detach().contiguous().view(torch.uint8)

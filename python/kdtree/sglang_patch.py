@@ -22,10 +22,18 @@ Modes (``KDTREE_VERIFY`` or the ``mode`` argument of :func:`install`; unknown va
 
 The gate (SGLANG.md, "Recognising a call to serve"): TARGET_VERIFY, not the draft runner, an MLA
 layer (576/512, one KV head, at most 128 heads), ``k``/``v`` given, no sinks / score_mod /
-aux_tensors / sliding window / logit cap / DCP / deterministic mode / dLLM, bfloat16 ``q``/``k``
-and a plain ``MLATokenToKVPool`` whose key buffer is bfloat16 ``[S, 1, 576]`` (fp8, FP4, DSA,
-unified and page-interleaved pools fall back), KV scales absent or exactly 1, at most 512 verify
-tokens per request. Each distinct reason for falling back is logged once per process.
+aux_tensors / sliding window / logit cap / DCP / deterministic mode / dLLM, bfloat16 ``q``/``k``,
+a KV pool that stores the layer in the layout the kernel reads (:func:`_pool_layout_problem`:
+decided by layout, not by class, so ``MLATokenToKVPool`` and its subclasses such as the DSA pool
+are served when their rows are 576 values of a dtype in :data:`SERVED_KV_DTYPES`; the packed DSA
+FP8 row, fp8 and FP4 pools fall back), KV scales absent or exactly 1, at most 512 verify tokens per
+request. Each distinct reason for falling back is logged once per process.
+
+Page size: SGLang's Triton backend hands ``kv_indices`` as token slot ids at every page size (its
+own kernel turns a slot into ``page * page_stride + offset * slot_stride``, which is
+``slot * slot_stride``), and ``out_cache_loc`` names token slots too. kdtree's kernel reads row
+``kv_indices[i]`` of the ``[S, 576]`` pool view, so the page size never enters the gate, the KV save,
+the kernel, the mask packing or validate mode.
 
 Counters (:func:`stats`) count what Python sees: eager calls and CUDA-graph captures, not graph
 replays (no Python runs during a replay). They are per process: in a server they live in the
@@ -47,6 +55,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -70,8 +79,8 @@ HEAD_DIM_V = 512
 MAX_HEADS = 128
 #: verify tokens per request the kernel serves (8 mask words of 64 bits)
 MAX_VERIFY_TOKENS = 512
-#: pool classes whose get_key_buffer is the plain [S, 1, 576] latent buffer the kernel reads
-SERVED_POOLS = frozenset({"MLATokenToKVPool"})
+#: KV-cache dtypes the kernel reads from the pool (the one place to add a dtype the kernel learns)
+SERVED_KV_DTYPES = (torch.bfloat16,)
 #: validate mode: |kernel - original| <= ATOL + RTOL * |original| elementwise (both are bf16
 #: roundings of float32 accumulations; bf16 has an 8-bit mantissa, so 2^-6 covers two roundings
 #: plus the original's bf16 cast of the softmax weights)
@@ -440,15 +449,9 @@ def _gate(backend, q, k, v, layer, fb, extras, too_many_args) -> Optional[Tuple[
         return "q shape", f"q shape {tuple(q.shape)} (served: [T, {heads}, 576])"
     if not ((k.dim() == 3 and tuple(k.shape) == (T, 1, HEAD_DIM_QK)) or (k.dim() == 2 and tuple(k.shape) == (T, HEAD_DIM_QK))):
         return "k shape", f"k shape {tuple(k.shape)} (served: [T, 1, 576])"
-    pool = getattr(backend, "token_to_kv_pool", None)
-    if type(pool).__name__ not in SERVED_POOLS:
-        return f"pool {type(pool).__name__}", f"KV pool {type(pool).__name__} (served: {', '.join(sorted(SERVED_POOLS))})"
-    key_buffer = pool.get_key_buffer(layer.layer_id)
-    if key_buffer.dtype != torch.bfloat16:
-        return f"kv cache {key_buffer.dtype}", f"KV cache dtype {key_buffer.dtype} (served: bfloat16)"
-    if not ((key_buffer.dim() == 3 and tuple(key_buffer.shape[1:]) == (1, HEAD_DIM_QK))
-            or (key_buffer.dim() == 2 and key_buffer.shape[1] == HEAD_DIM_QK)) or key_buffer.stride(-1) != 1:
-        return "pool layout", f"key buffer shape {tuple(key_buffer.shape)} strides {key_buffer.stride()}"
+    problem = _pool_layout_verdict(getattr(backend, "token_to_kv_pool", None), layer.layer_id)
+    if problem is not None:
+        return problem
     md = getattr(backend, "forward_metadata", None)
     max_n = getattr(md, "max_extend_len", None)
     if md is None or getattr(md, "qo_indptr", None) is None or getattr(md, "kv_indptr", None) is None:
@@ -464,6 +467,83 @@ def _gate(backend, q, k, v, layer, fb, extras, too_many_args) -> Optional[Tuple[
         if problem is not None:
             return "device", problem
     return None
+
+
+def _served_dtypes_text() -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in SERVED_KV_DTYPES)
+
+
+def _pool_layout_problem(pool, layer_id: int) -> Optional[Tuple[str, str]]:
+    """None when ``pool`` stores layer ``layer_id`` the way the kernel reads it, else (reason key, detail).
+
+    Decided by layout, never by class name: SGLang builds ``MLATokenToKVPool`` and subclasses of it
+    (``DSATokenToKVPool`` for DSA models, its layer-split, HiSparse and page-interleaved variants,
+    the unified pool), and any of them is served when the kernel's reads and SGLang's agree:
+
+    1. the pool has ``get_key_buffer`` / ``get_value_buffer`` [``pool <class>``];
+    2. a stored row is 576 values (the pool's ``kv_cache_dim`` where it declares one), not e.g. the
+       packed DSA FP8 row of 656 bytes (512 e4m3, 4 fp32 per-128 scales, 64 bf16 rope)
+       [``pool layout <n>-byte row``];
+    3. the pool's dtype is in :data:`SERVED_KV_DTYPES` [``kv cache <dtype>``]; checked before
+       ``get_key_buffer``, which dequantizes the whole layer for an FP4 pool;
+    4. ``get_key_buffer(layer_id)`` is ``[S, 1, 576]`` or ``[S, 576]``, unit inner stride, in the
+       pool's dtype [``kv cache <dtype>``, ``pool layout``];
+    5. ``get_value_buffer(layer_id)`` is that buffer's first 512 columns (the kernel takes the
+       values from the key rows) [``pool layout``].
+
+    The order makes the reason name the first thing that differs (the packed FP8 row reports its
+    layout, not its dtype). Rows are token slots: the pool's page size does not matter.
+    """
+    name = type(pool).__name__
+    if not (callable(getattr(pool, "get_key_buffer", None)) and callable(getattr(pool, "get_value_buffer", None))):
+        return f"pool {name}", f"KV pool {name} has no get_key_buffer/get_value_buffer (not an MLA pool)"
+    pool_dtype = getattr(pool, "dtype", None)
+    row = getattr(pool, "kv_cache_dim", None)
+    if isinstance(row, int) and row != HEAD_DIM_QK:
+        store = getattr(pool, "store_dtype", pool_dtype)
+        row_bytes = row * (store.itemsize if isinstance(store, torch.dtype) else 1)
+        what = (f"packed FP8 rows of {row_bytes} bytes (512 e4m3, 4 fp32 per-128 scales, 64 bf16 rope)"
+                if getattr(pool, "dsa_kv_cache_store_fp8", False) else f"rows of {row} values ({row_bytes} bytes)")
+        return f"pool layout {row_bytes}-byte row", f"KV pool {name} stores {what} (served: {HEAD_DIM_QK} values per row)"
+    if isinstance(pool_dtype, torch.dtype) and pool_dtype not in SERVED_KV_DTYPES:
+        return f"kv cache {pool_dtype}", f"KV pool {name} dtype {pool_dtype} (served: {_served_dtypes_text()})"
+    kb = pool.get_key_buffer(layer_id)
+    if not isinstance(kb, torch.Tensor):
+        return "pool layout", f"KV pool {name}.get_key_buffer returned {type(kb).__name__}, not a tensor"
+    if kb.dim() >= 1 and kb.shape[-1] != HEAD_DIM_QK:
+        row_bytes = kb.shape[-1] * kb.element_size()
+        return (f"pool layout {row_bytes}-byte row",
+                f"KV pool {name} key rows of {kb.shape[-1]} {kb.dtype} ({row_bytes} bytes; served: {HEAD_DIM_QK} values)")
+    if kb.dtype not in SERVED_KV_DTYPES or (isinstance(pool_dtype, torch.dtype) and kb.dtype != pool_dtype):
+        return f"kv cache {kb.dtype}", f"KV pool {name} key buffer dtype {kb.dtype} (pool dtype {pool_dtype}; served: {_served_dtypes_text()})"
+    if not ((kb.dim() == 3 and kb.shape[1] == 1) or kb.dim() == 2) or kb.stride(-1) != 1:
+        return "pool layout", (f"KV pool {name} key buffer shape {tuple(kb.shape)} strides {kb.stride()} "
+                               f"(served: [S, 1, {HEAD_DIM_QK}] or [S, {HEAD_DIM_QK}], unit inner stride)")
+    vb = pool.get_value_buffer(layer_id)
+    if not (isinstance(vb, torch.Tensor) and vb.dtype == kb.dtype and vb.data_ptr() == kb.data_ptr()
+            and tuple(vb.shape) == tuple(kb.shape[:-1]) + (HEAD_DIM_V,) and vb.stride() == kb.stride()):
+        got = (f"shape {tuple(vb.shape)} strides {vb.stride()} {vb.dtype}" if isinstance(vb, torch.Tensor)
+               else type(vb).__name__)
+        return "pool layout", f"KV pool {name} value buffer ({got}) is not the key buffer's first {HEAD_DIM_V} columns"
+    return None
+
+
+#: pool -> {layer_id: _pool_layout_problem(pool, layer_id)}; weak, so a pool SGLang drops is forgotten
+_layout_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pool_layout_verdict(pool, layer_id: int) -> Optional[Tuple[str, str]]:
+    """:func:`_pool_layout_problem`, decided once per pool and layer. A pool keeps its layout for
+    its lifetime, and some pools' accessors do work that must not repeat on every call: the
+    layer-split DSA pool's ``get_key_buffer`` broadcasts the layer from its owner rank (the one
+    call SGLang's own path makes happens again in the kernel call, after the KV save)."""
+    try:
+        per_layer = _layout_verdicts.setdefault(pool, {})
+    except TypeError:   # None, or a pool that cannot be weakly referenced: decide on every call
+        return _pool_layout_problem(pool, layer_id)
+    if layer_id not in per_layer:
+        per_layer[layer_id] = _pool_layout_problem(pool, layer_id)
+    return per_layer[layer_id]
 
 
 @functools.lru_cache(maxsize=None)
