@@ -8,6 +8,8 @@
 // Workspace: Params::q8 [T * H][2][576] bytes (hi, then lo), Params::q_scale [T * H] floats (2^e).
 #pragma once
 
+#include <string.h>
+
 #include "verify_common.cuh"
 #include "verify_ptx.cuh"
 
@@ -19,8 +21,9 @@ constexpr int kQ8RowsPerBlock = 8;            // one warp a row, 256 threads a b
 
 // The power of two e with amax / 2^e in (224, 448] (e4m3's top binade), or 0 for amax 0; -126 for a subnormal amax, so
 // that 2^-e stays a normal float. Exact: from amax's exponent and mantissa bits (448 = 1.75 * 2^8), never a rounded log.
-__device__ __forceinline__ int q8_row_exponent(float amax) {
-  const uint32_t bits = __float_as_uint(amax);
+__host__ __device__ __forceinline__ int q8_row_exponent(float amax) {
+  uint32_t bits;
+  memcpy(&bits, &amax, sizeof(bits));
   const int biased = (int)((bits >> 23) & 0xffu);
   if (!(amax > 0.f)) return 0;
   if (biased == 0) return -126;
