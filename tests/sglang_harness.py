@@ -370,6 +370,7 @@ def build_case(
     metadata: str = "manual",
     reserve: int = 0,
     kv_cache_dim: Optional[int] = None,
+    kv_scales: Optional[Sequence[float]] = None,
 ) -> VerifyCase:
     """A TARGET_VERIFY call of ``batch`` requests with ``n`` verify tokens each.
 
@@ -383,7 +384,8 @@ def build_case(
     may be read.
     ``pool_kind``: "mla" or "dsa" (:func:`make_pool`); ``page_size``: the pool's page size
     (default 1, and 64 for "dsa", the only size DSATokenToKVPool takes); ``kv_cache_dim``: the DSA
-    pool's row width (656: the packed FP8 row).
+    pool's row width (656: the packed FP8 row). ``kv_scales``: (k, v) set as the layer's KV scales (``k_scale`` /
+    ``v_scale`` tensors and their ``*_float`` values), as a checkpoint with KV scales leaves them.
     ``metadata``: "manual" or "sglang" (module docstring); ``reserve``: further token positions
     each request owns past its drafts, for :meth:`VerifyCase.advance`.
     """
@@ -426,7 +428,7 @@ def build_case(
 
     pool = make_pool(sg, pool_kind, size=size, page_size=page_size, kv_dtype=kv_dtype, layer_num=layer_num,
                      device=device, max_running_requests=batch + 3, num_draft_tokens=n, kv_cache_dim=kv_cache_dim)
-    floating = kv_dtype in (torch.bfloat16, torch.float16, torch.float32)
+    floating = kv_dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)   # (e4m3 NaN: 0x7f)
     for lid in range(layer_num):
         buf = pool.get_key_buffer(lid)
         if floating:
@@ -457,6 +459,9 @@ def build_case(
                            page_size=page_size)
     layer = sg.radix_attention.RadixAttention(heads, QK_HEAD_DIM, scaling, 1, layer_id,
                                               v_head_dim=KV_LORA_RANK)
+    if kv_scales is not None:
+        layer.k_scale, layer.v_scale = (torch.tensor(float(x), device=device) for x in kv_scales)
+        layer.k_scale_float, layer.v_scale_float = (float(x) for x in kv_scales)
     out_cache_loc = torch.cat([row[p:p + n] for row, p in zip(slot_rows, prefix_lens)]).to(device)
     positions = torch.cat([torch.arange(p, p + n) for p in prefix_lens]).to(device)
     fb = types.SimpleNamespace(
@@ -537,13 +542,18 @@ def _cumsum(xs):
 def reference_output(case: VerifyCase, dtype=torch.float64) -> torch.Tensor:
     """``[T, H * 512]`` from SGLANG.md's rules, written out independently of kdtree and of
     SGLang: prefix keys always visible, draft key j visible iff tree[i, j] (or j <= i without a
-    mask), rows that see nothing are 0. Reads the prefix rows from the pool, drafts from ``k``."""
+    mask), rows that see nothing are 0. Reads the prefix rows from the pool, drafts from ``k``; with the layer's KV
+    scales both set, prefix keys score as k_scale * row and their values are v_scale * row[:512] (SGLang's k_descale /
+    v_descale), drafts unscaled."""
     kb = case.key_buffer().reshape(-1, QK_HEAD_DIM).to("cpu", dtype)
     md = case.backend.forward_metadata
     kv_indices = md.kv_indices.to("cpu")
     q = case.q.to("cpu", dtype)
     kn = case.k.reshape(-1, QK_HEAD_DIM).to("cpu", dtype)
     H = case.num_heads
+    layer = case.layer
+    both = getattr(layer, "k_scale", None) is not None and getattr(layer, "v_scale", None) is not None
+    k_scale, v_scale = (float(layer.k_scale_float), float(layer.v_scale_float)) if both else (1.0, 1.0)
     out = torch.zeros(case.num_tokens, H, KV_LORA_RANK, dtype=dtype)
     start_kv = 0
     for b, p in enumerate(case.prefix_lens):
@@ -551,7 +561,8 @@ def reference_output(case: VerifyCase, dtype=torch.float64) -> torch.Tensor:
         prefix = kb[kv_indices[start_kv:start_kv + p]]
         start_kv += p
         drafts = kn[t0:t0 + case.n]
-        keys = torch.cat([prefix, drafts])                              # [P + N, 576]
+        keys = torch.cat([prefix * k_scale, drafts])                    # [P + N, 576]
+        values = torch.cat([prefix[:, :KV_LORA_RANK] * v_scale, drafts[:, :KV_LORA_RANK]])
         scores = torch.einsum("thd,sd->ths", q[t0:t0 + case.n], keys) * case.layer.scaling
         if case.tree is None:
             vis = torch.tril(torch.ones(case.n, case.n, dtype=torch.bool))
@@ -562,7 +573,7 @@ def reference_output(case: VerifyCase, dtype=torch.float64) -> torch.Tensor:
         any_visible = allowed.any(dim=1)
         probs = torch.softmax(scores, dim=-1)
         probs = torch.where(any_visible[:, None, None], probs, torch.zeros_like(probs))
-        out[t0:t0 + case.n] = torch.einsum("ths,sd->thd", probs, keys[:, :KV_LORA_RANK])
+        out[t0:t0 + case.n] = torch.einsum("ths,sd->thd", probs, values)
     return out.reshape(case.num_tokens, H * KV_LORA_RANK)
 
 

@@ -39,7 +39,6 @@ GLM5 = "GlmMoeDsaForCausalLM"
 DSV32 = "DeepseekV32ForCausalLM"
 DSV3 = "DeepseekV3ForCausalLM"
 PACKED = "pool layout 656-byte row"
-FP8 = "kv cache torch.float8_e4m3fn"
 
 # (model, compute capability major, --kv-cache-dtype, extra server args) ->
 # (pool class, page size, KV dtype, row width in stored elements, kdtree's fallback key or None = served)
@@ -48,23 +47,23 @@ ROWS = [
     (GLM5, 12, "auto", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 656, PACKED)),
     (GLM5, 12, "fp8_e4m3", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 656, PACKED)),
     (GLM5, 12, "fp8_e4m3", {"dsa_prefill_backend": "trtllm", "dsa_decode_backend": "trtllm"},
-     ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 576, FP8)),
+     ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 576, None)),
     (GLM5, 9, "auto", {}, ("DSATokenToKVPool", 64, torch.bfloat16, 576, None)),
     (GLM5, 9, "bf16", {}, ("DSATokenToKVPool", 64, torch.bfloat16, 576, None)),
     (GLM5, 9, "fp8_e4m3", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 656, PACKED)),
     (DSV32, 12, "bf16", {}, ("DSATokenToKVPool", 64, torch.bfloat16, 576, None)),
-    (DSV32, 12, "auto", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 576, FP8)),
-    (DSV32, 12, "fp8_e4m3", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 576, FP8)),
+    (DSV32, 12, "auto", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 576, None)),
+    (DSV32, 12, "fp8_e4m3", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 576, None)),
     (DSV32, 9, "auto", {}, ("DSATokenToKVPool", 64, torch.bfloat16, 576, None)),
     (DSV32, 9, "bf16", {}, ("DSATokenToKVPool", 64, torch.bfloat16, 576, None)),
     (DSV32, 9, "fp8_e4m3", {}, ("DSATokenToKVPool", 64, torch.float8_e4m3fn, 656, PACKED)),
     (DSV3, 12, "auto", {}, ("MLATokenToKVPool", 1, torch.bfloat16, 576, None)),
     (DSV3, 12, "bf16", {}, ("MLATokenToKVPool", 1, torch.bfloat16, 576, None)),
     (DSV3, 9, "auto", {}, ("MLATokenToKVPool", 1, torch.bfloat16, 576, None)),
-    (DSV3, 12, "fp8_e4m3", {}, ("MLATokenToKVPool", 1, torch.float8_e4m3fn, 576, FP8)),
+    (DSV3, 12, "fp8_e4m3", {}, ("MLATokenToKVPool", 1, torch.float8_e4m3fn, 576, None)),
     (DSV3, 9, "bf16", {}, ("MLATokenToKVPool", 1, torch.bfloat16, 576, None)),
     (DSV3, 9, "bf16", {"page_size": 64}, ("MLATokenToKVPool", 64, torch.bfloat16, 576, None)),
-    (DSV3, 9, "fp8_e4m3", {}, ("MLATokenToKVPool", 1, torch.float8_e4m3fn, 576, FP8)),
+    (DSV3, 9, "fp8_e4m3", {}, ("MLATokenToKVPool", 1, torch.float8_e4m3fn, 576, None)),
 ]
 
 

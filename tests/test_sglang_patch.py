@@ -387,7 +387,7 @@ FALLBACKS = [
     ("non_mla", dict(use_mla=False), None, "not MLA"),
     ("sinks_positional", dict(), _sinks, "sinks"),
     ("sinks_keyword", dict(), _sinks_kw, "sinks"),
-    ("fp8_pool", dict(kv_dtype=torch.float8_e4m3fn), None, "kv cache torch.float8_e4m3fn"),
+    ("fp8_e5m2_pool", dict(kv_dtype=torch.float8_e5m2), None, "kv cache torch.float8_e5m2"),
 ]
 
 
@@ -450,5 +450,11 @@ def test_gate_reasons_for_paths_the_cpu_original_cannot_run(sg_patch):
             assert reason() == key, attr
         finally:
             setattr(obj, attr, old)
+    # KV scales are served (SGLang's k_descale / v_descale); ones that are not finite positive numbers are not
     case.layer.k_scale, case.layer.k_scale_float = torch.tensor(2.0), 2.0
-    assert reason() == "kv scales"
+    assert reason() is None   # (k_scale alone: SGLang's kernel takes descales 1.0)
+    case.layer.v_scale, case.layer.v_scale_float = torch.tensor(0.5), 0.5
+    assert reason() is None and sglang_patch._kv_descales(case.layer) == (2.0, 0.5)
+    for bad in (float("nan"), 0.0, -1.0, None):
+        case.layer.v_scale_float = bad
+        assert reason() == "kv scales", bad

@@ -220,10 +220,30 @@ def _fallback_pair(monkeypatch, sg_patch, kwargs, reason, *, raises=None):
     assert sg_patch.stats()["fallback_reasons"] == {reason: 1}
 
 
-def test_dsa_fp8_pool_falls_back_on_its_dtype(sg_patch, monkeypatch):
-    """FP8 in the raw 576-byte row (the TRTLLM DSA layout: DeepSeek-V3.2 on sm_100/sm_120)."""
-    _fallback_pair(monkeypatch, sg_patch, dict(pool_kind="dsa", batch=2, prefix_lens=[64, 5],
-                                               kv_dtype=torch.float8_e4m3fn), "kv cache torch.float8_e4m3fn")
+@pytest.mark.parametrize("pool_kind, kv_scales", [("dsa", None), ("mla", None), ("mla", (0.75, 1.5))],
+                         ids=["dsa", "mla", "mla_scales"])
+def test_e4m3_pools_are_served(sg_patch, pool_kind, kv_scales):
+    """FP8 in the raw 576-byte row (``--kv-cache-dtype fp8_e4m3``; the TRTLLM DSA layout of DeepSeek-V3.2 on
+    sm_100/sm_120): served, with the layer's KV scales. The pool after the call is SGLang's byte for byte (the KV save
+    is the pool's own, a scaled k divided first); the output is the reference's on the dequantised pool (on CPU the
+    served path is kdtree's float reference; SGLang's Triton fp8 path cannot be the oracle under the interpreter,
+    tests/fp8_model.py)."""
+    kwargs = dict(pool_kind=pool_kind, batch=2, prefix_lens=[64, 5], kv_dtype=torch.float8_e4m3fn,
+                  kv_scales=kv_scales)
+    unpatched, case = _pair(91, **kwargs)
+    unpatched.call()
+    sg_patch.install("on", propagate=False)
+    triton_must_not_run(case)
+    out = case.call()
+    assert_pools_identical(case, unpatched, f"{pool_kind} e4m3")
+    assert_close_bf16(out, reference_output(case), what=f"{pool_kind} e4m3 vs float64 reference")
+    if kv_scales is not None:   # the scales are applied: without them the reference moves away
+        layer = case.layer
+        layer.v_scale = None
+        with pytest.raises(AssertionError):
+            assert_close_bf16(out, reference_output(case), what="unscaled reference")
+    s = sg_patch.stats()
+    assert (s["served"], s["fallback"]) == (1, 0), s
 
 
 def test_packed_dsa_fp8_row_falls_back_on_its_layout(sg_patch, monkeypatch, caplog):

@@ -26,8 +26,9 @@ aux_tensors / sliding window / logit cap / DCP / deterministic mode / dLLM, bflo
 a KV pool that stores the layer in the layout the kernel reads (:func:`_pool_layout_problem`:
 decided by layout, not by class, so ``MLATokenToKVPool`` and its subclasses such as the DSA pool
 are served when their rows are 576 values of a dtype in :data:`SERVED_KV_DTYPES`; the packed DSA
-FP8 row, fp8 and FP4 pools fall back), KV scales absent or exactly 1, at most 512 verify tokens per
-request. Each distinct reason for falling back is logged once per process.
+FP8 row and FP4 pools fall back; bf16 and e4m3 pools are served), KV scales absent or finite and positive
+(SGLang's k_descale / v_descale, applied to the prefix keys), at most 512 verify tokens per request. Each distinct
+reason for falling back is logged once per process.
 
 Page size: SGLang's Triton backend hands ``kv_indices`` as token slot ids at every page size (its
 own kernel turns a slot into ``page * page_stride + offset * slot_stride``, which is
@@ -79,13 +80,20 @@ HEAD_DIM_V = 512
 MAX_HEADS = 128
 #: verify tokens per request the kernel serves (8 mask words of 64 bits)
 MAX_VERIFY_TOKENS = 512
-#: KV-cache dtypes the kernel reads from the pool (the one place to add a dtype the kernel learns)
-SERVED_KV_DTYPES = (torch.bfloat16,)
+#: KV-cache dtypes the kernel reads from the pool (the one place to add a dtype the kernel learns): bf16, and the
+#: e4m3 rows of ``--kv-cache-dtype fp8_e4m3`` (the FP8 kernel)
+SERVED_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 #: validate mode: |kernel - original| <= ATOL + RTOL * |original| elementwise (both are bf16
 #: roundings of float32 accumulations; bf16 has an 8-bit mantissa, so 2^-6 covers two roundings
 #: plus the original's bf16 cast of the softmax weights)
 DEFAULT_ATOL = 2e-2
 DEFAULT_RTOL = 2e-2
+#: validate mode on an e4m3 pool: SGLang's own fp8 numerics (e4m3 q unscaled, e4m3 P) put its output at a relative L2
+#: error of 3-4% on N(0, 1) data, elementwise up to ~0.14 where values reach ~3 (tests/fp8_model.py, P 64..4000); kdtree's
+#: is ~1.3%. 0.1 + 0.1 * |original| holds those with margin; larger queries (|q| ~ 30) move SGLang's own output by more
+#: (its unscaled e4m3 cast of q), and validate reports that as mismatches.
+DEFAULT_FP8_ATOL = 1e-1
+DEFAULT_FP8_RTOL = 1e-1
 #: validate mode: at most one mismatch log line per this many seconds (the first is always logged)
 MISMATCH_LOG_INTERVAL_S = 10.0
 
@@ -148,6 +156,8 @@ class _State:
         self.had_own_attr = True       # forward_extend was in cls.__dict__ (else inherited)
         self.atol = DEFAULT_ATOL
         self.rtol = DEFAULT_RTOL
+        self.fp8_atol = DEFAULT_FP8_ATOL
+        self.fp8_rtol = DEFAULT_FP8_RTOL
         self.counters = _Counters()
         self.logged_reasons = set()
         self.last_mismatch_log = -math.inf
@@ -200,6 +210,8 @@ def stats() -> Dict[str, Any]:
             "installed": is_installed(),
             "atol": _state.atol,
             "rtol": _state.rtol,
+            "fp8_atol": _state.fp8_atol,
+            "fp8_rtol": _state.fp8_rtol,
             "calls": c.calls,
             "served": c.served,
             "fallback": c.fallback,
@@ -245,6 +257,7 @@ def _sglang_version() -> str:
 
 
 def install(mode: Optional[str] = None, *, atol: Optional[float] = None, rtol: Optional[float] = None,
+            fp8_atol: Optional[float] = None, fp8_rtol: Optional[float] = None,
             propagate: bool = True, backend_module=None) -> str:
     """Patch SGLang's ``TritonAttnBackend.forward_extend`` in this process; returns the mode.
 
@@ -252,6 +265,7 @@ def install(mode: Optional[str] = None, *, atol: Optional[float] = None, rtol: O
         mode: ``off``, ``validate`` or ``on``; None reads ``$KDTREE_VERIFY`` (unset = off).
             An unknown value raises ValueError. ``off`` restores the original method.
         atol, rtol: validate mode's tolerance (default :data:`DEFAULT_ATOL`, :data:`DEFAULT_RTOL`).
+        fp8_atol, fp8_rtol: the same on an e4m3 pool (default :data:`DEFAULT_FP8_ATOL`, :data:`DEFAULT_FP8_RTOL`).
         propagate: also set ``$KDTREE_VERIFY`` to the mode, so that processes SGLang spawns
             (scheduler, TP workers) patch themselves at start through the ``kdtree-autopatch.pth``
             file the package installs.
@@ -267,6 +281,10 @@ def install(mode: Optional[str] = None, *, atol: Optional[float] = None, rtol: O
             _state.atol = float(atol)
         if rtol is not None:
             _state.rtol = float(rtol)
+        if fp8_atol is not None:
+            _state.fp8_atol = float(fp8_atol)
+        if fp8_rtol is not None:
+            _state.fp8_rtol = float(fp8_rtol)
         if propagate and (mode is not None or ENV_VAR in os.environ):
             os.environ[ENV_VAR] = new_mode
             _state.set_env = True
@@ -437,10 +455,10 @@ def _gate(backend, q, k, v, layer, fb, extras, too_many_args) -> Optional[Tuple[
         return "ROCm verify path", "the backend's split-KV verify path is enabled (ROCm)"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         return "dtype", f"q {q.dtype}, k {k.dtype} (served: bfloat16)"
-    if getattr(layer, "k_scale", None) is not None and not (
-            getattr(layer, "k_scale_float", None) == 1.0
-            and (getattr(layer, "v_scale", None) is None or getattr(layer, "v_scale_float", None) == 1.0)):
-        return "kv scales", "KV scales other than 1 (the kernel applies none)"
+    scales = _kv_descales(layer)
+    if scales is None:
+        return "kv scales", (f"KV scales k_scale_float={getattr(layer, 'k_scale_float', None)!r}, "
+                             f"v_scale_float={getattr(layer, 'v_scale_float', None)!r} (served: finite and > 0)")
     T = q.shape[0]
     if T < 1:
         return "empty", "no verify tokens"
@@ -467,6 +485,22 @@ def _gate(backend, q, k, v, layer, fb, extras, too_many_args) -> Optional[Tuple[
         if problem is not None:
             return "device", problem
     return None
+
+
+def _kv_descales(layer) -> Optional[Tuple[float, float]]:
+    """(k_scale, v_scale) of the prefix keys as SGLang's forward_extend hands them to its kernel (``k_descale`` /
+    ``v_descale``): the layer's ``k_scale_float`` / ``v_scale_float`` when both ``k_scale`` and ``v_scale`` are set,
+    else 1.0 and 1.0; None when those floats are not finite positive numbers (the call falls back). Host values only."""
+    if getattr(layer, "k_scale", None) is None or getattr(layer, "v_scale", None) is None:
+        return 1.0, 1.0
+    ks, vs = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
+    try:
+        ks, vs = float(ks), float(vs)
+    except (TypeError, ValueError):
+        return None
+    if not (math.isfinite(ks) and math.isfinite(vs) and ks > 0 and vs > 0):
+        return None
+    return ks, vs
 
 
 def _served_dtypes_text() -> str:
@@ -649,9 +683,11 @@ def _kernel(backend, q, k, layer, out3, capturing: bool) -> None:
     mask, reuse_plan = _pass_for(backend, md, layer.layer_id, T, H, capturing)
     backend._kdtree_pass_cache = None   # until this launch is done, no layer may reuse a plan (or the mask)
     pack = mask is not None and not reuse_plan   # the pass's first layer packs custom_mask into mask
+    k_scale, v_scale = _kv_descales(layer)   # (the gate made sure they are valid)
     ops.verify_attention(q_nope, q_pe, kv_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, k2, mask,
                          layer.scaling, out=out3, workspace=_workspace_of(backend), reuse_plan=reuse_plan,
-                         custom_mask=md.custom_mask if pack else None, mask_indptr=md.mask_indptr if pack else None)
+                         custom_mask=md.custom_mask if pack else None, mask_indptr=md.mask_indptr if pack else None,
+                         k_scale=k_scale, v_scale=v_scale)
     backend._kdtree_pass_cache = (md, layer.layer_id, capturing, T, H, mask)
 
 
@@ -712,7 +748,8 @@ def _validate(original, backend, q, k, v, layer, fb, args, kwargs):
             logger.exception("kdtree validate: the kernel raised on layer %s (T=%d, H=%d); returning SGLang's "
                              "output", layer.layer_id, T, H)
         return out
-    _compare(out.view(T, H, HEAD_DIM_V), mine, layer)
+    fp8 = backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype == torch.float8_e4m3fn
+    _compare(out.view(T, H, HEAD_DIM_V), mine, layer, fp8)
     return out
 
 
@@ -725,10 +762,10 @@ def _should_log_mismatch() -> bool:
     return False
 
 
-def _compare(expected: torch.Tensor, got: torch.Tensor, layer) -> None:
-    """Elementwise ``|got - expected| <= atol + rtol * |expected|``. A NaN or inf on either side is
-    a mismatch (an attention output is never legitimately non-finite, and NaN never passes)."""
-    atol, rtol = _state.atol, _state.rtol
+def _compare(expected: torch.Tensor, got: torch.Tensor, layer, fp8: bool = False) -> None:
+    """Elementwise ``|got - expected| <= atol + rtol * |expected|`` (the fp8 pair on an e4m3 pool). A NaN or inf on
+    either side is a mismatch (an attention output is never legitimately non-finite, and NaN never passes)."""
+    atol, rtol = (_state.fp8_atol, _state.fp8_rtol) if fp8 else (_state.atol, _state.rtol)
     e = expected.float()
     g = got.float()
     finite_e = torch.isfinite(e)
