@@ -297,8 +297,7 @@ def _run_in_child(env_over, prefixes, heads, tokens, seed):
     code = (
         "import sys, torch, kdtree\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "from test_kernel_gpu import _run\n"
-        "from kdtree.synthetic import make_verify_batch\n"
+        "from test_kernel_gpu import _run, make_verify_batch\n"   # (the pool type of KDTREE_TEST_KV, inherited)
         f"out, _ = _run(make_verify_batch({prefixes!r}, {heads}, {tokens}, device='cuda', seed={seed}))\n"
         "torch.save(out.cpu(), sys.argv[2])\n"
     )

@@ -5,11 +5,13 @@ split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 
 `pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks);
 `balanced`: H128 N9, two requests of 18 row tiles whose split rule adds a short split on 132 SMs (8 splits, 9,216
 partial rows each: more than 132 x 64, so the workspace must allow each request its own rows beyond the grid's).
+KDTREE_TEST_KV=e4m3 runs the case on an e4m3 pool (the FP8 kernel, the prep kernel's q blocks) with KV scales.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_case.py split
     compute-sanitizer --tool racecheck python tools/sanitize_case.py small
 Exits non-zero if the result is off the reference, so a sanitizer run also checks the numbers.
 """
+import os
 import sys
 
 import torch
@@ -24,8 +26,12 @@ prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, 
             "pack": [3000, 70], "balanced": [6000, 6100]}[case]
 n = 1 if case == "n1" else 9
 heads = 128 if case == "balanced" else 16
-b = make_verify_batch(prefixes, heads, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1)
+fp8 = os.environ.get("KDTREE_TEST_KV") == "e4m3"
+b = make_verify_batch(prefixes, heads, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1,
+                      kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
 args = b.verify_args()
+scales = dict(k_scale=0.75, v_scale=1.5) if fp8 else {}
+tol = 3e-2 if fp8 else 1e-2
 ok = True
 calls = 2 if case == "reuse" else 1
 ws = kdtree.Workspace()
@@ -35,14 +41,14 @@ for i in range(calls):
     if case == "pack":   # into a buffer of garbage: the call's own packing must fill it
         packed = torch.full_like(args["tree_mask"], -1)
         out = kdtree.verify_attention(**dict(args, tree_mask=packed), workspace=ws, custom_mask=b.custom_mask,
-                                      mask_indptr=b.mask_indptr)
+                                      mask_indptr=b.mask_indptr, **scales)
         torch.cuda.synchronize()
         ok = ok and torch.equal(packed, args["tree_mask"])
     else:
-        out = kdtree.verify_attention(**args, workspace=ws, reuse_plan=i > 0)
+        out = kdtree.verify_attention(**args, workspace=ws, reuse_plan=i > 0, **scales)
         torch.cuda.synchronize()
-    ref = verify_attention_reference(**args)
+    ref = verify_attention_reference(**args, **scales)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     print(f"sanitize case {case}, call {i}: prefixes {prefixes}, rel err {err:.2e}")
-    ok = ok and err < 1e-2 and bool(torch.isfinite(out).all())
+    ok = ok and err < tol and bool(torch.isfinite(out).all())
 sys.exit(0 if ok else 1)
