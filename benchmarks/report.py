@@ -2,6 +2,7 @@
 
     python benchmarks/report.py bench.json --layer layer.json            # a run of bench.py (+ bench_sglang_layer.py)
     python benchmarks/report.py bench.json --alt bench_2stage.json --alt-label "sm_120 code path us"
+    python benchmarks/report.py bench_e4m3.json                          # an e4m3 pool: <gpu>_<date>_e4m3.*
     python benchmarks/report.py docs/results/h200_2026-12-03.json        # regenerate the table and plot from it
 
 The JSON written next to the table holds everything the table and plot are made from (bench.py's environment and
@@ -26,10 +27,16 @@ def gpu_slug(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
 
+def kv_type(d):
+    """The pool's element type of a run: 'bf16' or 'e4m3' (bench.py --kv)."""
+    return d["results"][0].get("kv", "bf16") if d["results"] else "bf16"
+
+
 def table(d):
     env = d["env"]
     alt = d.get("alt")
     per_call = any("split_kernel" in r for r in d["results"])   # the kernel each call ran
+    vs_ref = all("rel_err_kdtree" in r for r in d["results"])  # a quantised pool: both against the float reference
     lines = [
         f"Device: {env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"triton {env['triton']}, sglang {env['sglang']}, kdtree {env['kdtree']}, {env['date']}"
@@ -37,8 +44,10 @@ def table(d):
         "",
         "| shape | kdtree us (eager) | kdtree us (graph) | KV GB/s | TFLOP/s | floor us | % of floor "
         "| SGLang Triton us | speed-up | rel. diff vs SGLang | graph, mask reused (per layer) us |"
+        + (" rel. err vs reference, kdtree / SGLang |" if vs_ref else "")
         + (" split kernel |" if per_call else "") + (f" {alt['label']} |" if alt else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if per_call else "") + ("---|" if alt else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if vs_ref else "") + ("---|" if per_call else "")
+        + ("---|" if alt else ""),
     ]
     for r in d["results"]:
         t = r["kdtree_graph_us"]
@@ -46,6 +55,8 @@ def table(d):
                f"{r['flops'] / t / 1e6:.1f} | {r['floor_us']:.1f} | {100 * r['floor_us'] / t:.1f} | "
                f"{r.get('sglang_us', float('nan')):.0f} | {r.get('sglang_us', float('nan')) / t:.1f} | "
                f"{r.get('rel_err_vs_sglang', float('nan')):.1e} | {r.get('kdtree_layer_graph_us', float('nan')):.1f} |")
+        if vs_ref:
+            row += f" {r['rel_err_kdtree']:.1e} / {r['rel_err_sglang']:.1e} |"
         if per_call:
             row += f" {r.get('split_kernel', '')} |"
         if alt:
@@ -56,6 +67,9 @@ def table(d):
               f"combine), as SGLang runs verify under CUDA graphs; {FLOOR_NOTE}. \"Graph, mask reused\" is the "
               "per-layer call of the SGLang integration, which packs the tree mask once per forward pass: plan, split, "
               "combine."]
+    if vs_ref:
+        lines += ["", "On an e4m3 pool both outputs are compared with a float32 reference on the dequantised pool "
+                  "(relative L2); \"rel. diff vs SGLang\" is then mostly SGLang's own fp8 rounding."]
     return "\n".join(lines)
 
 
@@ -83,7 +97,8 @@ def document(d, name):
         f"# kdtree on the {env['gpu']}, {env['date']}",
         "",
         "Written by `benchmarks/report.py` from `" + name + ".json` (`benchmarks/bench.py`, "
-        "`benchmarks/bench_sglang_layer.py`). B=1, H=16, N=9, random tree, bf16 KV with page size 1 and shuffled slots "
+        "`benchmarks/bench_sglang_layer.py`). B=1, H=16, N=9, random tree, " + kv_type(d)
+        + " KV with page size 1 and shuffled slots "
         "in a 302 MB pool unless the shape says otherwise; CUDA-event medians; SGLang's Triton `extend_attention_fwd` "
         "on the same inputs in the same process.",
         "",
@@ -120,7 +135,7 @@ def plot(d, path):
     ax.set_xlabel("prefix length (tokens)")
     ax.set_ylabel("time per verify call (us)")
     env = d["env"]
-    ax.set_title(f"MLA tree verify, B=1, H=16, N=9 - {env['gpu']}, {env['date']}")
+    ax.set_title(f"MLA tree verify, B=1, H=16, N=9, {kv_type(d)} KV - {env['gpu']}, {env['date']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -135,7 +150,8 @@ def main():
     ap.add_argument("--alt", help="another bench.py JSON (another kernel or code path): one more column")
     ap.add_argument("--alt-label", default="sm_120 code path us")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "results"))
-    ap.add_argument("--name", help="file name without extension (default: <gpu>_<date>)")
+    ap.add_argument("--name", help="file name without extension (default: <gpu>_<date>, "
+                    "<gpu>_<date>_<kv> for a quantised pool)")
     a = ap.parse_args()
     with open(a.bench) as f:
         d = json.load(f)
@@ -146,7 +162,8 @@ def main():
         with open(a.alt) as f:
             other = json.load(f)
         d["alt"] = dict(label=a.alt_label, graph_us={r["name"]: r["kdtree_graph_us"] for r in other["results"]})
-    name = a.name or f"{gpu_slug(d['env']['gpu'])}_{d['env']['date']}"
+    kv = kv_type(d)
+    name = a.name or f"{gpu_slug(d['env']['gpu'])}_{d['env']['date']}" + ("" if kv == "bf16" else f"_{kv}")
     os.makedirs(a.out_dir, exist_ok=True)
     base = os.path.join(a.out_dir, name)
     if os.path.abspath(a.bench) != os.path.abspath(base + ".json") or a.layer or a.alt:

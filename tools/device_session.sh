@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything a GPU machine run needs, in one script: build for the GPU at hand, then the stages asked for, logs
 # under $OUT (the benchmark's JSON for benchmarks/report.py among them).
-#   bash tools/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [mmatests]
-# - build: ci/build_gpu.sh (this GPU's architecture, spills are errors), then `python -m kdtree info`
+#   bash tools/device_session.sh build test sanitize bench [quick] [smallrows] [ncu] [ncusrc] [sglang] [layer] [sm120path] [fp8] [mmatests]
+# - build: ci/build_gpu.sh (this GPU's architecture), then `python -m kdtree info`
 # - test: the GPU tests (ci/test_gpu.sh)
 # - sanitize: compute-sanitizer memcheck / racecheck / synccheck on tools/sanitize_case.py's cases, and synccheck on
 #   every other split kernel
 # - bench: benchmarks/bench.py (quick: three shapes; smallrows: the <= 16-row shapes too; sglang: SGLang's Triton
-#   kernel beside it; layer: benchmarks/bench_sglang_layer.py; sm120path: the mma.sync 2-stage code path again)
+#   kernel beside it; layer: benchmarks/bench_sglang_layer.py; sm120path: the mma.sync 2-stage code path again;
+#   fp8: the same shapes on an e4m3 pool, bench_e4m3.json)
+# - fp8 without bench: the kernel tests on an e4m3 pool (KDTREE_TEST_KV=e4m3); with sanitize, the FP8 kernel's cases
 # - mmatests: the kernel tests on the non-default split kernels (mma.sync 2 / 3 stages, the skinny kernel for every
 #   call, the dual kernel for small calls)
 # - ncu / ncusrc: Nsight Compute of one call's kernels / per-instruction stall samples of the split kernel
@@ -45,10 +47,19 @@ if has bench; then
   has smallrows && extra="$extra --small-rows"
   python3 benchmarks/bench.py --out "$OUT/bench.json" $extra 2>&1 | tee "$OUT/bench.log"
   if has layer; then python3 benchmarks/bench_sglang_layer.py --out "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log"; fi
+  if has fp8; then
+    log "bench: e4m3 pool"
+    extra8=""; has quick && extra8="--quick"; has sglang || extra8="$extra8 --no-sglang"
+    python3 benchmarks/bench.py --kv e4m3 --out "$OUT/bench_e4m3.json" $extra8 2>&1 | tee "$OUT/bench_e4m3.log"
+  fi
   if has sm120path; then
     log "bench: the sm_120 pipeline (mma.sync, 2 stages) on this GPU"
     KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --no-sglang $( has quick && echo --quick ) --out "$OUT/bench_2stage.json" 2>&1 | tee "$OUT/bench_2stage.log"
   fi
+fi
+if has fp8 && ! has bench; then
+  log "kernel tests on an e4m3 pool (the FP8 kernel)"
+  KDTREE_TEST_KV=e4m3 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
 fi
 if has mmatests; then   # the kernel tests on the other code paths (mma.sync: the sm_120 one and the 3-stage one)
   log "kernel tests, KDTREE_SPLIT_STAGES=2 (the sm_120 pipeline)"
@@ -69,6 +80,15 @@ if has sanitize; then
       grep -E "Error|hazard|Race|at 0x" "/tmp/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
     done
   done
+  if has fp8; then   # the FP8 kernel (its own barriers and layout) on an e4m3 pool with KV scales
+    for tc in "memcheck split" "racecheck split" "racecheck small" "synccheck split"; do
+      set -- $tc
+      log "compute-sanitizer $1 $2, e4m3 pool"
+      KDTREE_TEST_KV=e4m3 compute-sanitizer --tool $1 --error-exitcode 9 python3 tools/sanitize_case.py $2 \
+        > "/tmp/sanitize_${1}_e4m3_$2.log" 2>&1
+      echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|rel err' "/tmp/sanitize_${1}_e4m3_$2.log" | tr '\n' ' ')"
+    done
+  fi
   # synccheck on every other split kernel: each kernel uses its barriers its own way, and synccheck is what finds a
   # named barrier that two roles wait on from different instructions
   for k in STAGES=2 KERNEL=mma KERNEL=skinny; do
