@@ -5,16 +5,15 @@ KDTREE_EXPECTED_ARCHS (default "90,120") names the architectures the build under
 set it when testing a build made with `-C cmake.define.KDTREE_CUDA_ARCHS=...`.
 """
 
-import glob
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cuda_tools import find_cuobjdump
 
 _verify = pytest.importorskip("kdtree._verify", reason="kdtree is not installed (run: pip install .)")
 
@@ -27,26 +26,6 @@ def _header_status_codes():
     for name, value in re.findall(r"#define\s+(KDTREE_(?:OK|ERR_\w+))\s+\(?\s*(-?\d+)\s*\)?", HEADER.read_text()):
         codes[name] = int(value)
     return codes
-
-
-def _find_cuobjdump():
-    """cuobjdump from PATH, the CUDA toolkit, or the nvidia-cuda-cuobjdump wheel; None if none."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    candidates = []
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            candidates.append(os.path.join(os.environ[env], "bin", "cuobjdump"))
-    candidates.append("/usr/local/cuda/bin/cuobjdump")
-    try:
-        import nvidia  # namespace package of NVIDIA's pip wheels (nvidia-cuda-cuobjdump: nvidia/cu13/bin)
-
-        for root in nvidia.__path__:
-            candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump")))
-    except ImportError:
-        pass
-    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 def test_extension_is_inside_the_package():
@@ -82,7 +61,7 @@ def test_compiled_archs_reports_the_build():
 
 
 def test_extension_carries_sass_for_each_arch():
-    tool = _find_cuobjdump()
+    tool = find_cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found: not on PATH, not in CUDA_HOME/bin, and the nvidia-cuda-cuobjdump "
                     "wheel is not installed (pip install -r requirements/test.txt)")

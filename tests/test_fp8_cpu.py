@@ -7,6 +7,7 @@ e4m3 wrongly); the model of its math in tests/fp8_model.py does.
 
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -102,18 +103,31 @@ def test_q8_exponent_in_the_cuda_header_matches_the_model(tmp_path):
 
 
 def test_block_scale_operand_is_unit_ue8m0():
-    """The sm_120 kernel's block-scaled mma takes ue8m0 scale bytes (value 2^(byte - 127)) for every row of A and column
-    of B; kdtree passes 0x7f in all four bytes (2^0) and applies its scales in fp32, so that the stand-in's plain
-    e4m3 mma computes the same sums. The model of the instruction: D = C + sum(a * b) * 2^(sa - 127) * 2^(sb - 127)."""
+    """The sm_120 kernel's block-scaled mma (scale_vec::1X) multiplies row i of A by 2^(sa_i - 127) and column j of B
+    by 2^(sb_j - 127), sa / sb the ue8m0 bytes that the byte and thread selectors pick from the scale registers. kdtree
+    applies its own scales in fp32, so the instruction must compute exactly the plain e4m3 product that the stand-in
+    computes: this decodes the operands verify_ptx.cuh passes and applies the instruction's math to random e4m3 data."""
     text = (ROOT / "src" / "cuda" / "verify_ptx.cuh").read_text()
-    assert "kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e4m3.f32.ue8m0" in text
-    assert '"r"(0x7f7f7f7fu)' in text
+    asm = re.search(r'"mma\.sync\.aligned\.m16n8k32\.row\.col\.kind::mxf8f6f4\.block_scale\.scale_vec::1X'
+                    r'\.f32\.e4m3\.e4m3\.f32\.ue8m0 "\s*"([^"]*)"(.*?)\);', text, re.S)
+    assert asm, "the block-scaled mma is not in verify_ptx.cuh"
+    operands, bindings = asm.group(1), asm.group(2)
+    # {d}, {a}, {b}, {c}, scale-a, {byte-id-a, thread-id-a}, scale-b, {byte-id-b, thread-id-b}
+    m = re.search(r"\},\s*(%\d+),\s*\{(\d+),\s*(\d+)\},\s*(%\d+),\s*\{(\d+),\s*(\d+)\};", operands)
+    assert m, operands
+    values = re.findall(r'"[+=]?[rf]"\(([^)]*)\)', bindings)
+
+    def scale_byte(ref, byte_id):
+        value = values[int(ref[1:])]
+        word = int(re.fullmatch(r"(0x[0-9a-fA-F]+)u?", value.strip()).group(1), 16)
+        return (word >> (8 * int(byte_id))) & 0xFF   # every thread passes the same word: the thread id picks no other
+
+    sa, sb = scale_byte(m.group(1), m.group(2)), scale_byte(m.group(4), m.group(5))
     gen = torch.Generator().manual_seed(3)
     a = e4m3(torch.randn(16, 32, generator=gen, dtype=torch.float64) * 8)
     b = e4m3(torch.randn(32, 8, generator=gen, dtype=torch.float64) * 8)
-    byte = 0x7F
-    d = (a @ b) * 2.0 ** (byte - 127) * 2.0 ** (byte - 127)
-    assert torch.equal(d, a @ b)
+    d = (a * 2.0 ** (sa - 127)) @ (b * 2.0 ** (sb - 127))
+    assert torch.equal(d, a @ b), (hex(sa), hex(sb))
 
 
 SHAPES = [([1], 16, 9, 1.0), ([64], 16, 9, 1.0), ([1000], 16, 9, 1.0), ([300, 40], 8, 9, 1.0), ([1000], 16, 9, 30.0)]

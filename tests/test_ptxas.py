@@ -1,4 +1,5 @@
-"""ptxas must not serialise the wgmma of any sm_90a kernel, nor spill registers in any kernel (CPU only: nvcc, no GPU).
+"""ptxas must not serialise the wgmma of any sm_90a kernel, nor spill registers in any kernel, and the sm_120a FP8 kernel
+must run the block-scaled e4m3 MMA (CPU only: nvcc and cuobjdump, no GPU).
 
 ptxas reports serialised wgmma as an info line, not a warning ("(C7510) Potential Performance Loss: wgmma.mma_async
 instructions are serialized due to ..."; C7515 / C7518 / C7520 for other causes), so --warning-as-error does not catch
@@ -8,21 +9,19 @@ does for sm_90a and fails on any such line; this runs it on the default build an
 default build are checked below, per kernel and architecture.)
 """
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from cuda_tools import find_nvcc, sass_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("flags", [[], ["-DKDTREE_EXP_TRACE"]], ids=["default", "trace"])
 def test_no_kernel_serialises_its_wgmma(flags):
-    if not (shutil.which("nvcc") or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)):
-        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    _nvcc()
     out = subprocess.run(["bash", str(ROOT / "tools" / "wgmma_check.sh"), *flags], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     assert out.stdout.startswith("wgmma not serialised"), out.stdout
@@ -35,23 +34,36 @@ SPILL_ALLOWANCE = {("sm_90a", "_ZN6kdtree30kdtree_verify_split_fp8_kernelENS_6Pa
 
 
 def _nvcc():
-    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and os.access(cand, os.X_OK):
-            return cand
-    pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    return nvcc
+
+
+_COMPILED = {}
+
+
+def _compiled(arch, tmp_path_factory):
+    """verify_launch.cu compiled for one architecture as the default build compiles it (CMake's flags for it): the
+    object file and ptxas's -v report. Once per architecture and test session (~1 min each)."""
+    if arch not in _COMPILED:
+        obj = tmp_path_factory.mktemp(arch) / "v.o"
+        defs = ["-DKDTREE_HAVE_SM90A=1"] if arch == "sm_90a" else []
+        cmd = [_nvcc(), "-std=c++17", "-O3", "--expt-relaxed-constexpr", *defs,
+               f"--generate-code=arch=compute_{arch[3:]},code={arch}", f"-I{ROOT / 'src' / 'cuda'}", "-Xptxas", "-v",
+               "-c", str(ROOT / "src" / "cuda" / "verify_launch.cu"), "-o", str(obj)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-4000:]
+        _COMPILED[arch] = (obj, out.stderr)
+    return _COMPILED[arch]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
-def test_no_kernel_spills(arch, tmp_path):
-    """Registers and spills of every kernel, as the default build compiles them (CMake's flags for that architecture)."""
-    defs = ["-DKDTREE_HAVE_SM90A=1"] if arch == "sm_90a" else []
-    cmd = [_nvcc(), "-std=c++17", "-O3", "--expt-relaxed-constexpr", *defs,
-           f"--generate-code=arch=compute_{arch[3:]},code={arch}", f"-I{ROOT / 'src' / 'cuda'}", "-Xptxas", "-v",
-           "-c", str(ROOT / "src" / "cuda" / "verify_launch.cu"), "-o", str(tmp_path / "v.o")]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
+def test_no_kernel_spills(arch, tmp_path_factory):
+    """Registers and spills of every kernel, as the default build compiles them."""
+    _, report = _compiled(arch, tmp_path_factory)
     spills, kernel = {}, None
-    for line in out.stderr.splitlines():
+    for line in report.splitlines():
         m = re.search(r"Compiling entry function '(\S+)' for '(\w+)'", line)
         if m:
             kernel = m.group(1)
@@ -62,3 +74,37 @@ def test_no_kernel_spills(arch, tmp_path):
     assert any("split_fp8_kernel" in k for k in spills) and any("combine_kernel" in k for k in spills), spills
     bad = {k: v for k, v in spills.items() if v > SPILL_ALLOWANCE.get((arch, k), 0)}
     assert not bad, f"{arch}: kernels that spill (bytes): {bad}"
+
+
+def _sass_of_kernels(obj):
+    """{mangled kernel name: its SASS opcodes, one string per instruction} of an object file."""
+    sass = sass_command()
+    if sass is None:
+        pytest.skip("cuobjdump or nvdisasm not found (pip install -r requirements/test.txt; triton carries nvdisasm)")
+    argv, env = sass
+    text = subprocess.run([*argv, str(obj)], capture_output=True, text=True, check=True, env=env).stdout
+    kernels, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            kernels[name] = []
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and name:
+            kernels[name].append(m.group(1))
+    return kernels
+
+
+def test_fp8_kernel_runs_block_scaled_mma_on_sm120a(tmp_path_factory):
+    """RTX PRO 6000 runs the FP8 kernel's products on the block-scaled e4m3 MMA (QMMA.SF, twice the plain e4m3 rate on
+    consumer Blackwell); on sm_90a the same source compiles to the stand-in, which ptxas emulates with f16 HMMAs."""
+    fp8 = "_ZN6kdtree30kdtree_verify_split_fp8_kernelENS_6ParamsE"
+    sm120 = _sass_of_kernels(_compiled("sm_120a", tmp_path_factory)[0])[fp8]
+    qmma = [op for op in sm120 if op.startswith("QMMA")]
+    assert qmma and set(qmma) == {"QMMA.SF.16832.F32.E4M3.E4M3.E8"}, sorted(set(qmma))
+    # unrolled: a score warp's S of a tile (4 key groups x 18 k32 steps x hi(q) and lo(q)) and a value warp's P V (24)
+    assert len(qmma) >= 4 * 18 * 2 + 24, len(qmma)
+    assert any(op.startswith("HMMA.16816.F32.BF16") for op in sm120)   # the draft items: bf16, as exact as bf16 pools
+    sm90 = _sass_of_kernels(_compiled("sm_90a", tmp_path_factory)[0])[fp8]
+    assert not any(op.startswith("QMMA") for op in sm90) and "HMMA.16816.F32" in sm90
