@@ -228,7 +228,14 @@ def test_e4m3_pool_validate_gpu(sg_patch):
     out = case.call()
     assert torch.equal(bits(out), bits(ref_out))   # validate returns SGLang's output
     s = sg_patch.stats()
-    assert (s["compared"], s["mismatched"], s["kernel_errors"]) == (1, 0, 0), s
+    seen = {k: s[k] for k in ("compared", "mismatched", "kernel_errors", "max_abs_err", "max_tolerance_ratio",
+                              "last_mismatch", "fp8_atol", "fp8_rtol")}
+    on_case = cuda_case(810, **kwargs)
+    sg_patch.install("on", propagate=False)
+    on_out = on_case.call()
+    expected = reference_output(on_case)
+    mine, theirs = _rel(on_out, expected), _rel(ref_out, expected)   # both against the float reference
+    assert (s["compared"], s["mismatched"], s["kernel_errors"]) == (1, 0, 0), (seen, mine, theirs)
     assert s["max_tolerance_ratio"] < 1
 
 
