@@ -69,8 +69,8 @@ __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& 
 }
 __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
 // profiling aid: every key copies the (L2-resident) zero row. Not a measure of delivery without DRAM at full scale:
-// 132 SMs reading one 1,152-byte row meet on the same L2 lines, and the default's H16 N9 P131072 took 329 us so, not
-// 115 (session 30, history 182).
+// 132 SMs reading one 1,152-byte row meet on the same L2 lines, and the default's H16 N9 P131072 took 329 us so on
+// the H200, not 115.
 #ifdef KDTREE_EXP_NO_GATHER
   return prm.zero_row;
 #endif
@@ -170,9 +170,8 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
 // Tau (log2 units; at the row's first visible key it always does), so P <= 2^Tau and alpha is exactly 1 wherever the
 // reference stays.
 // KDTREE_MMA_LAZY_RESCALE = Tau (0 turns it off): the mma.sync split kernel (the sm_120 path) takes it, as the dual
-// kernel's KDTREE_DUAL_LAZY_RESCALE (session 27, PERF_LOG history 167). Measured on the H200 with the sm_120 depth
-// (KDTREE_SPLIT_STAGES=2; A/B within one run, means of two): 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us), -2.0%
-// B8, -0.3% H128 N9 P32768.
+// kernel's KDTREE_DUAL_LAZY_RESCALE. Measured on the H200 with the sm_120 depth (KDTREE_SPLIT_STAGES=2; A/B within
+// one run, means of two): 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us), -2.0% B8, -0.3% H128 N9 P32768.
 #ifndef KDTREE_MMA_LAZY_RESCALE
 #define KDTREE_MMA_LAZY_RESCALE 8
 #endif
@@ -270,9 +269,9 @@ __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx
   write_partial_lse_rows(prm, cx, H, wrow + g, c, m_run, l_run);
 }
 
-// An item's result rows on their way out through shared memory (session 18): row r at r * 1 KB (512 bf16), its 16-byte
-// chunk k at (k ^ (r % 8)) * 16, so that stmatrix's 8 rows of one chunk and a warp's 32 chunks of one row are free of
-// bank conflicts. Value threads store their accumulators there (stmatrix), then copy whole rows out, 16 B per lane.
+// An item's result rows on their way out through shared memory: row r at r * 1 KB (512 bf16), its 16-byte chunk k
+// at (k ^ (r % 8)) * 16, so that stmatrix's 8 rows of one chunk and a warp's 32 chunks of one row are free of bank
+// conflicts. Value threads store their accumulators there (stmatrix), then copy whole rows out, 16 B per lane.
 __device__ __forceinline__ uint32_t stage_chunk(uint32_t stage, int r, int k) {
   return stage + r * 1024 + ((k ^ (r & 7)) << 4);
 }

@@ -55,7 +55,8 @@ struct MmaShape {
 // The default: 48-row items, 3 score warps + 8 value warps (352 threads, 168 registers a thread).
 using MmaWide = MmaShape<48, 1>;
 // Items of requests with at most 32 rows (H x N <= 32), 2-stage pipeline (sm_120): 32-row items, two score warps
-// per row block, 12 warps (PERF_LOG history 72: 10-12% faster than 32-row items with one score warp, N1 -9%).
+// per row block, 12 warps (on the H200 with the sm_120 path forced, KDTREE_SPLIT_STAGES=2: 10-12% faster than 32-row
+// items with one score warp, N1 -9%).
 using MmaHalves = MmaShape<32, 2>;
 constexpr int kBlockM = MmaWide::kBlockM;        // the mma.sync kernel's largest item (workspace sizing)
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
@@ -89,8 +90,8 @@ static_assert(kQRegDims <= kDimNope && kQSmemDims % 16 == 0, "the register part 
 // The exchange between the two score warps of a row block (MmaShape KeyHalves 2), on mbarriers: their row maxima
 // every tile in slot it % 2 (one mbarrier per row block, key half and slot, so that a warp can be at most one phase
 // ahead of the one waiting on it), and key half 1's row sums at the item's end. Empty (no storage: an empty base)
-// for the one-score-warp shapes. (The first version exchanged through a 64-thread named barrier; racecheck then
-// reported hazards on alpha across the P-full barrier, history 92.)
+// for the one-score-warp shapes. (Not a 64-thread named barrier: racecheck reports hazards on alpha across the P-full
+// barrier with one.)
 template <int BlockM, int KeyHalves>
 struct PairExchange {};
 template <int BlockM>
