@@ -57,9 +57,7 @@ __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCt
   int* const done = prm.tile_done + tile_done_index(cx.rp, cx.row0);
   asm volatile("fence.acq_rel.gpu;\n"
                "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
-#ifdef KDTREE_EXP_TIMELINE
-  atomicMax(&g_tile_rel[(done - prm.tile_done) % kStampTiles], global_ns());
-#endif
+  KDTREE_TILE_RELEASE(done - prm.tile_done);
 }
 
 // Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
@@ -68,12 +66,7 @@ __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& 
   return key < c.k1 && key < c.rp.p ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key) : -1;
 }
 __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
-// profiling aid: every key copies the (L2-resident) zero row. Not a measure of delivery without DRAM at full scale:
-// 132 SMs reading one 1,152-byte row meet on the same L2 lines, and the default's H16 N9 P131072 took 329 us so on
-// the H200, not 115.
-#ifdef KDTREE_EXP_NO_GATHER
-  return prm.zero_row;
-#endif
+  if constexpr (kExpNoGather) return prm.zero_row;   // the knock-out: every key the (L2-resident) zero row
   if (key >= c.k1) return prm.zero_row;
   if (key < c.rp.p) return prm.kv + slot * prm.kv_ss;
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
