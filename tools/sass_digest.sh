@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Per-kernel digests of the machine code (SASS) of the default build, from the compiler alone (no GPU):
-# compiles src/cuda/verify_launch.cu as CMakeLists.txt does (both default architectures, sm_120 and sm_90a, in one
+# compiles src/cuda/verify_launch.cu as CMakeLists.txt does (both default architectures, sm_120a and sm_90a, in one
 # nvcc call), disassembles it and prints one line per kernel and architecture: arch, md5 of its instructions
 # (addresses and encodings stripped), instruction count, mangled name. Two trees whose lines agree run the same
 # kernels: the check for a refactor that must not change what runs (compare with `diff`).
@@ -28,7 +28,7 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 nvcc -DKDTREE_CUDA_ARCHS_STR='"90,120"' -DKDTREE_HAVE_SM90A=1 -Isrc/cuda -O3 -DNDEBUG \
-     --generate-code=arch=compute_120,code=sm_120 --generate-code=arch=compute_90a,code=sm_90a \
+     --generate-code=arch=compute_120a,code=sm_120a --generate-code=arch=compute_90a,code=sm_90a \
      -Xcompiler=-fPIC -Xcompiler=-fvisibility=hidden -lineinfo --expt-relaxed-constexpr -std=c++17 "$@" \
      -x cu -c src/cuda/verify_launch.cu -o "$tmp/v.o"
 "$cuobjdump" -sass "$tmp/v.o" > "$tmp/sass.txt"

@@ -26,14 +26,14 @@ constexpr int kKeyBytes = kDimQK * 2;    // 1152: one bulk copy per key
 #define KDTREE_MIN_CHUNK 256
 #endif
 constexpr int kMinChunk = KDTREE_MIN_CHUNK;   // smallest split worth its partial-write traffic
-// (192 and 128 measured in sessions 4, 6, 18 and 34, PERF_LOG history 41, 52, 122, 192: H16 N9 P8192 -4 to -6% with
-// 43 splits instead of 33, B8 +0.4 to +3.7% from its 4k and 8k requests' extra items; a request's split count may
-// depend on its own length only, so the two cannot be had apart)
+// (192 and 128 on the H200: H16 N9 P8192 -4 to -6% with 43 splits instead of 33, B8 +0.4 to +3.7% from its 4k and 8k
+// requests' extra items; a request's split count may depend on its own length only, so the two cannot be had apart:
+// docs/design.md, "The split rule")
 // The combine cuts a row with many splits into up to kCombineMaxSlices slices of value columns
 // (the count depends only on the row's own split count: batch-invariant).
 constexpr int kCombineMaxSlices = 8;
-// Splits per thread per load batch of the combine (session 7: 8, 64 registers and 4 blocks per SM, was
-// faster than 16 at H128 N9 and B8, the same elsewhere).
+// Splits per thread per load batch of the combine: 8 (64 registers, 4 blocks per SM); 16 (2 blocks per SM) is 3.4%
+// slower at H128 N9 and 1.5% at B8 on the H200, the same elsewhere.
 #ifndef KDTREE_COMBINE_BATCH
 #define KDTREE_COMBINE_BATCH 8
 #endif
@@ -99,17 +99,17 @@ struct Params {
   // between calls: the plan kernel zeroes its tiles', and the combine work that sees a tile last zeroes both.
   int* tile_done;     // [max_partial_rows]
   int* tile_seen;     // [max_partial_rows]
-  // Arrivals on tile_done per split item of the split kernel that runs (1), or 0 for a kernel that signals nothing
-  // (the trans experiment): the combine then waits for the whole split pass at its start, as before session 17.
+  // Arrivals on tile_done per split item of the split kernel that runs (1), or 0 where the split kernel signals nothing
+  // (the skinny kernel, KDTREE_EARLY_COMBINE=0): the combine then waits for the whole split pass at its start.
   int done_arrivals;
-  // The tree mask packed by the plan kernel's blocks 1.. (kdtree_verify_params::pack_custom_mask; session 19): SGLang's
-  // flat custom_mask and its mask_indptr, packed into tree_mask (mask_words words per row) before the split reads it.
-  // NULL: tree_mask comes packed (or is NULL). Last in the struct: the other fields' parameter offsets stay as before.
+  // The tree mask packed by the prep kernel's pack_blocks (kdtree_verify_params::pack_custom_mask): SGLang's flat
+  // custom_mask and its mask_indptr, packed into tree_mask (mask_words words per row) before the split reads it.
+  // NULL: tree_mask comes packed (or is NULL).
   const uint8_t* pack_mask;
   const int64_t* pack_mask_indptr;
   // TMA descriptors (CUtensorMap, 128 B each) of q_nope and q_pe as 2-D [num_tokens x heads rows, 512 | 64 columns]
-  // bf16 tensors with 64 x 64 boxes and the 128-byte swizzle of the q slabs, for the dual kernel's q load (session
-  // 20); q_tma = 0 when the host did not build them (another kernel, q rows not evenly strided, KDTREE_Q_TMA=0).
+  // bf16 tensors with 64 x 64 boxes and the 128-byte swizzle of the q slabs, for the dual kernel's q load; q_tma = 0
+  // when the host did not build them (another kernel, q rows not evenly strided, KDTREE_Q_TMA=0).
   // The kernel passes their parameter-space addresses to cp.async.bulk.tensor (__grid_constant__).
   struct alignas(64) TmaMap { unsigned long long w[16]; };
   TmaMap q_map[2];

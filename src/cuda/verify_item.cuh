@@ -57,9 +57,7 @@ __device__ __forceinline__ void signal_item_done(const Params& prm, const ItemCt
   int* const done = prm.tile_done + tile_done_index(cx.rp, cx.row0);
   asm volatile("fence.acq_rel.gpu;\n"
                "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(done) : "memory");
-#ifdef KDTREE_EXP_TIMELINE
-  atomicMax(&g_tile_rel[(done - prm.tile_done) % kStampTiles], global_ns());
-#endif
+  KDTREE_TILE_RELEASE(done - prm.tile_done);
 }
 
 // Slot id of a prefix key (-1 otherwise): the only global load on the address path, issued one
@@ -68,12 +66,7 @@ __device__ __forceinline__ long long key_slot(const Params& prm, const ItemCtx& 
   return key < c.k1 && key < c.rp.p ? load_index(prm.kv_indices, prm.kv_indices_64, (long long)c.rp.kv_begin + key) : -1;
 }
 __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const ItemCtx& c, int key, long long slot) {
-// profiling aid: every key copies the (L2-resident) zero row. Not a measure of delivery without DRAM at full scale:
-// 132 SMs reading one 1,152-byte row meet on the same L2 lines, and the default's H16 N9 P131072 took 329 us so, not
-// 115 (session 30, history 182).
-#ifdef KDTREE_EXP_NO_GATHER
-  return prm.zero_row;
-#endif
+  if constexpr (kExpNoGather) return prm.zero_row;   // the knock-out: every key the (L2-resident) zero row
   if (key >= c.k1) return prm.zero_row;
   if (key < c.rp.p) return prm.kv + slot * prm.kv_ss;
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
@@ -170,9 +163,8 @@ __device__ __forceinline__ void softmax_advance(float (&tmax)[2], float (&m_run)
 // Tau (log2 units; at the row's first visible key it always does), so P <= 2^Tau and alpha is exactly 1 wherever the
 // reference stays.
 // KDTREE_MMA_LAZY_RESCALE = Tau (0 turns it off): the mma.sync split kernel (the sm_120 path) takes it, as the dual
-// kernel's KDTREE_DUAL_LAZY_RESCALE (session 27, PERF_LOG history 167). Measured on the H200 with the sm_120 depth
-// (KDTREE_SPLIT_STAGES=2; A/B within one run, means of two): 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us), -2.0%
-// B8, -0.3% H128 N9 P32768.
+// kernel's KDTREE_DUAL_LAZY_RESCALE. Measured on the H200 with the sm_120 depth (KDTREE_SPLIT_STAGES=2; A/B within
+// one run, means of two): 8 -1.3% at H16 N9 P131072 (187.1 against 189.5 us), -2.0% B8, -0.3% H128 N9 P32768.
 #ifndef KDTREE_MMA_LAZY_RESCALE
 #define KDTREE_MMA_LAZY_RESCALE 8
 #endif
@@ -270,9 +262,9 @@ __device__ __forceinline__ void finish_rows(const Params& prm, const ItemCtx& cx
   write_partial_lse_rows(prm, cx, H, wrow + g, c, m_run, l_run);
 }
 
-// An item's result rows on their way out through shared memory (session 18): row r at r * 1 KB (512 bf16), its 16-byte
-// chunk k at (k ^ (r % 8)) * 16, so that stmatrix's 8 rows of one chunk and a warp's 32 chunks of one row are free of
-// bank conflicts. Value threads store their accumulators there (stmatrix), then copy whole rows out, 16 B per lane.
+// An item's result rows on their way out through shared memory: row r at r * 1 KB (512 bf16), its 16-byte chunk k
+// at (k ^ (r % 8)) * 16, so that stmatrix's 8 rows of one chunk and a warp's 32 chunks of one row are free of bank
+// conflicts. Value threads store their accumulators there (stmatrix), then copy whole rows out, 16 B per lane.
 __device__ __forceinline__ uint32_t stage_chunk(uint32_t stage, int r, int k) {
   return stage + r * 1024 + ((k ^ (r & 7)) << 4);
 }

@@ -30,8 +30,8 @@ using kdtree::ReqPlan;
 
 constexpr size_t kAlign = 256;
 constexpr int kMaxDevices = 64;
-// A long request becomes ~KDTREE_SPLITS_PER_SM work items per SM (one CTA per SM). 1 since session 6
-// (2 before: twice the partials and item start-ups; 1 was faster on every benchmark shape, B8 included)
+// A long request becomes ~KDTREE_SPLITS_PER_SM work items per SM (one CTA per SM). 1: against 2 (twice the partials
+// and item starts) it is faster on every benchmark shape on the H200, 8% at H16 N9 P131072 and 16% at B8.
 #ifndef KDTREE_SPLITS_PER_SM
 #define KDTREE_SPLITS_PER_SM 1
 #endif
@@ -377,11 +377,11 @@ cudaError_t launch_pack(const uint8_t* custom_mask, const int64_t* mask_indptr, 
     if (e_ != cudaSuccess) return (int)e_; \
   } while (0)
 
-// The dual kernel's q tensor maps (Params::q_map, session 20): q_nope and q_pe as 2-D bf16 tensors of T x H rows
-// (512 and 64 columns) with 64 x 64 boxes in the q slabs' 128-byte swizzle. Built where every row of q is one stride
-// after the previous (a token's stride H head strides, or one head, or one token); otherwise, or without the driver's
-// encoder, q_tma stays 0 and the kernel copies q with cp.async as before. Encoding is host work on the call's own
-// values: no device call, no synchronisation.
+// The dual kernel's q tensor maps (Params::q_map): q_nope and q_pe as 2-D bf16 tensors of T x H rows (512 and 64
+// columns) with 64 x 64 boxes in the q slabs' 128-byte swizzle. Built where every row of q is one stride after the
+// previous (a token's stride H head strides, or one head, or one token); otherwise, or without the driver's encoder,
+// q_tma stays 0 and the kernel copies q with cp.async. Encoding is host work on the call's own values: no device call,
+// no synchronisation.
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);

@@ -55,7 +55,8 @@ struct MmaShape {
 // The default: 48-row items, 3 score warps + 8 value warps (352 threads, 168 registers a thread).
 using MmaWide = MmaShape<48, 1>;
 // Items of requests with at most 32 rows (H x N <= 32), 2-stage pipeline (sm_120): 32-row items, two score warps
-// per row block, 12 warps (PERF_LOG history 72: 10-12% faster than 32-row items with one score warp, N1 -9%).
+// per row block, 12 warps (on the H200 with the sm_120 path forced, KDTREE_SPLIT_STAGES=2: 10-12% faster than 32-row
+// items with one score warp, N1 -9%).
 using MmaHalves = MmaShape<32, 2>;
 constexpr int kBlockM = MmaWide::kBlockM;        // the mma.sync kernel's largest item (workspace sizing)
 constexpr int kKvPitch = kDimQK + 8;     // bf16 per smem key row: +16 B shifts rows by 4 banks
@@ -89,8 +90,8 @@ static_assert(kQRegDims <= kDimNope && kQSmemDims % 16 == 0, "the register part 
 // The exchange between the two score warps of a row block (MmaShape KeyHalves 2), on mbarriers: their row maxima
 // every tile in slot it % 2 (one mbarrier per row block, key half and slot, so that a warp can be at most one phase
 // ahead of the one waiting on it), and key half 1's row sums at the item's end. Empty (no storage: an empty base)
-// for the one-score-warp shapes. (The first version exchanged through a 64-thread named barrier; racecheck then
-// reported hazards on alpha across the P-full barrier, history 92.)
+// for the one-score-warp shapes. (Not a 64-thread named barrier: racecheck reports hazards on alpha across the P-full
+// barrier with one.)
 template <int BlockM, int KeyHalves>
 struct PairExchange {};
 template <int BlockM>
@@ -113,15 +114,12 @@ struct SharedStorage : PairExchange<BlockM, KeyHalves> {
   float row_l[BlockM];
   unsigned long long full[Stages];                  // mbarriers: the keys of buffer b have landed
   int item;
-#ifdef KDTREE_EXP_TRACE   // profiling aid: per-tile clock64 stamps of score warp 0 and value warp 0
-  long long trace[64][8];
-#endif
+  KDTREE_MMA_TRACE_STORAGE   // TRACE builds: the per-tile stamps (verify_profiling.cuh)
 };
-// The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in).
-#ifndef KDTREE_EXP_TRACE
-static_assert(sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
-static_assert(sizeof(SharedStorage<2, MmaHalves::kBlockM, MmaHalves::kKeyHalves>) <= 101376, "so must its 32-row shape");
-#endif
+// The sm_120 deployment target gives a block at most 101,376 B of shared memory (opt-in; not so a TRACE build).
+static_assert(kExpTrace || sizeof(SharedStorage<2>) <= 101376, "the 2-stage kernel must fit sm_120's 99 KB per block");
+static_assert(kExpTrace || sizeof(SharedStorage<2, MmaHalves::kBlockM, MmaHalves::kKeyHalves>) <= 101376,
+              "so must its 32-row shape");
 static_assert(sizeof(SharedStorage<kMaxStages>) <= 232448, "the deep kernel must fit sm_90's 227 KB per block");
 
 // The value warps fill buffer `b` with tile `t`, kKeysPerWarp keys each (a bulk copy is issued by
@@ -142,13 +140,6 @@ __device__ __forceinline__ void issue_tile(Smem& sm, const Params& prm, const It
 
 // Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
 __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN + ((chunk ^ ((row >> 1) & 3)) << 3); }
-
-#ifdef KDTREE_EXP_TRACE
-#define KDTREE_TRACE(e) \
-  do { if (lane == 0 && it < 64) sm.trace[it][e] = clock64() - t_item; } while (0)
-#else
-#define KDTREE_TRACE(e) do { } while (0)
-#endif
 
 // One work item of the mma.sync pass (cx: its rows and keys [k0, k1)), by every thread of the block: its keys bf16
 // (prefix keys from the pool, drafts from k_new), its scores in log2 units times `score_scale` (Params::scale_log2, times
@@ -200,9 +191,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
   }
   cp_async_wait_all();   // this thread's q copies (the key rows travel as bulk copies, not cp.async)
   __syncthreads();
-#ifdef KDTREE_EXP_TRACE
-  const long long t_item = clock64();
-#endif
+  KDTREE_TRACE_ITEM_START;
 
   if (warp < kScoreWarps) {
     // =========================== score warps ===========================
@@ -239,52 +228,46 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
       // Tile `it` landed. This also means the value warps are done with P/alpha[b] (tile
       // it-Stages): they refilled this buffer only after finishing it.
       mbar_wait_buffer(sm.full, phase_bits, b);
-      if (warp == 0) KDTREE_TRACE(0);
+      if (warp == 0) KDTREE_MMA_TRACE(0);
       // P/alpha[b] last held tile it-Stages. Its keys' arrival already implies the value warps
       // finished with it (the refill is issued after), but that chain runs through the copy
       // engine; this barrier states the order directly (and lets racecheck see it).
       if (it >= Stages) bar_sync(kBarPEmpty + b, kThreads);
-      if (warp == 0) KDTREE_TRACE(1);
+      if (warp == 0) KDTREE_MMA_TRACE(1);
       if (active) {
         float acc[kGroups][4] = {};   // this warp's n8 key tiles: independent mma chains
-#ifndef KDTREE_EXP_NO_SCORE_MMA   // profiling aid: leave S at zero
-        // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8 (of this warp's keys)
-        const __nv_bfloat16* kbase =
-            &sm.kv[b][kh * (kTileN / kKeyHalves) + ((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
+        if constexpr (!kExpNoScoreMma) {   // (the knock-out leaves S at zero)
+          // ldmatrix.x4 lane address: matrix mi = lane/8 -> keys (mi/2)*8.., dims +(mi%2)*8 (of this warp's keys)
+          const __nv_bfloat16* kbase =
+              &sm.kv[b][kh * (kTileN / kKeyHalves) + ((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
-        for (int ks = 0; ks < kQRegSteps; ++ks) {
-          uint32_t b0[4], b1[4];
-          ldmatrix_x4(b0, kbase + ks * 16);
-          if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
-          mma_bf16(acc[0], qa[ks], b0[0], b0[1]);
-          mma_bf16(acc[1], qa[ks], b0[2], b0[3]);
-          if constexpr (kGroups == 4) {
-            mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
-            mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
+          for (int ks = 0; ks < kQRegSteps; ++ks) {
+            uint32_t b0[4], b1[4];
+            ldmatrix_x4(b0, kbase + ks * 16);
+            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
+            mma_bf16(acc[0], qa[ks], b0[0], b0[1]);
+            mma_bf16(acc[1], qa[ks], b0[2], b0[3]);
+            if constexpr (kGroups == 4) {
+              mma_bf16(acc[2], qa[ks], b1[0], b1[1]);
+              mma_bf16(acc[3], qa[ks], b1[2], b1[3]);
+            }
+          }
+          const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
+#pragma unroll
+          for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
+            uint32_t a[4], b0[4], b1[4];
+            ldmatrix_x4(a, qtbase + ks * 16);
+            ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
+            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
+            mma_bf16(acc[0], a, b0[0], b0[1]);
+            mma_bf16(acc[1], a, b0[2], b0[3]);
+            if constexpr (kGroups == 4) {
+              mma_bf16(acc[2], a, b1[0], b1[1]);
+              mma_bf16(acc[3], a, b1[2], b1[3]);
+            }
           }
         }
-        const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
-#pragma unroll
-        for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
-          uint32_t a[4], b0[4], b1[4];
-          ldmatrix_x4(a, qtbase + ks * 16);
-          ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
-          if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
-          mma_bf16(acc[0], a, b0[0], b0[1]);
-          mma_bf16(acc[1], a, b0[2], b0[3]);
-          if constexpr (kGroups == 4) {
-            mma_bf16(acc[2], a, b1[0], b1[1]);
-            mma_bf16(acc[3], a, b1[2], b1[3]);
-          }
-        }
-#endif
-
-#ifdef KDTREE_EXP_TRACE
-        if (warp == 0) {   // stamp once the score product has landed in the accumulators
-          if (acc[0][0] == 12345.f && acc[kGroups - 1][3] == 12345.f) sm.row_m[0] = 0.f;
-          KDTREE_TRACE(2);
-        }
-#endif
+        if (warp == 0) KDTREE_MMA_TRACE_LANDED(2, acc[0][0], acc[kGroups - 1][3], sm.row_m[0]);
         // ---- scale, mask, online softmax ----
         float tmax[2];
         scale_mask_max<kGroups>(prm, cx, H, cx.k0 + it * kTileN + kh * (kTileN / kKeyHalves), wrow + g, c,
@@ -317,7 +300,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
         }
       }
       bar_arrive(kBarPFull + b, kThreads);   // P/alpha[b] published; run ahead to the next tile
-      if (warp == 0) KDTREE_TRACE(3);
+      if (warp == 0) KDTREE_MMA_TRACE(3);
     }
     if constexpr (kKeyHalves == 2) {   // key half 1's row sums join half 0's (quad sums first)
       quad_sum_rows(l_run);
@@ -351,7 +334,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
       const int b = it % Stages;
       bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
       mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
-      if (vw == 0) KDTREE_TRACE(4);
+      if (vw == 0) KDTREE_MMA_TRACE(4);
 #pragma unroll
       for (int rb = 0; rb < kRowBlocks; ++rb) {
         const float a0 = sm.alpha[b][rb * 16 + g];
@@ -367,49 +350,44 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
           }
         }
       }
-#ifndef KDTREE_EXP_NO_PV_MMA   // profiling aid: skip P V
+      if constexpr (!kExpNoPvMma) {   // (the knock-out leaves O at zero)
 #pragma unroll
-      for (int kk = 0; kk < kTileN / 16; ++kk) {
-        uint32_t pa[kRowBlocks][4];
-#pragma unroll
-        for (int rb = 0; rb < kRowBlocks; ++rb) {
-          const int row = rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          if (rb < rblocks) ldmatrix_x4(pa[rb], &sm.p[b][0][0] + p_off(row, 2 * kk + (lane >> 4)));
-        }
-        // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
-        const __nv_bfloat16* vbase =
-            &sm.kv[b][kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
-#pragma unroll
-        for (int np = 0; np < kValueCols / 16; ++np) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, vbase + np * 16);
+        for (int kk = 0; kk < kTileN / 16; ++kk) {
+          uint32_t pa[kRowBlocks][4];
 #pragma unroll
           for (int rb = 0; rb < kRowBlocks; ++rb) {
-            if (rb < rblocks) {
-              mma_bf16(o[rb][2 * np], pa[rb], vb[0], vb[1]);
-              mma_bf16(o[rb][2 * np + 1], pa[rb], vb[2], vb[3]);
+            const int row = rb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            if (rb < rblocks) ldmatrix_x4(pa[rb], &sm.p[b][0][0] + p_off(row, 2 * kk + (lane >> 4)));
+          }
+          // ldmatrix.x4.trans lane address: matrix mi = lane/8 -> keys (mi%2)*8.., columns +(mi/2)*8
+          const __nv_bfloat16* vbase =
+              &sm.kv[b][kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)][col0 + (lane >> 4) * 8];
+#pragma unroll
+          for (int np = 0; np < kValueCols / 16; ++np) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+            for (int rb = 0; rb < kRowBlocks; ++rb) {
+              if (rb < rblocks) {
+                mma_bf16(o[rb][2 * np], pa[rb], vb[0], vb[1]);
+                mma_bf16(o[rb][2 * np + 1], pa[rb], vb[2], vb[3]);
+              }
             }
           }
         }
       }
-#endif
-#ifdef KDTREE_EXP_TRACE
-      if (vw == 0) {   // stamp once P V has landed in the accumulators
-        if (o[0][0][0] == 12345.f && o[0][7][3] == 12345.f) sm.row_l[0] = 0.f;
-        KDTREE_TRACE(5);
-      }
-#endif
+      if (vw == 0) KDTREE_MMA_TRACE_LANDED(5, o[0][0][0], o[0][7][3], sm.row_l[0]);
       if (it + Stages < cx.ntiles) bar_arrive(kBarPEmpty + b, kThreads);   // P/alpha[b] free for tile it+Stages
       // every value warp is done with buffer b (the score warps finished it before publishing P):
       // refill it with tile it+Stages
       bar_sync(kBarValues, kValueWarps * 32);
-      if (vw == 0) KDTREE_TRACE(6);
+      if (vw == 0) KDTREE_MMA_TRACE(6);
       if (it + Stages < cx.ntiles) {
         issue_tile(sm, prm, cx, it + Stages, b, vw, lane, next_slot);
         if (issuer && it + Stages + 1 < cx.ntiles)
           next_slot = key_slot(prm, cx, cx.k0 + (it + Stages + 1) * kTileN + my_key);
       }
-      if (vw == 0) KDTREE_TRACE(7);
+      if (vw == 0) KDTREE_MMA_TRACE(7);
     }
     bar_sync(kBarBlock, kThreads);  // row_m / row_l written by the score warps (which only arrive)
 #pragma unroll
@@ -432,17 +410,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
   __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
   // (a thread that issues no copies and not the claimer, whose next claim's round trip hides this one's)
   if (tid == kThreads - 1) signal_item_done(prm, cx);
-#ifdef KDTREE_EXP_TRACE
-  if (tid == 0 && blockIdx.x < 2) {
-    printf("TRACE block %d item %d tiles %d prologue %lld total %lld\n", blockIdx.x, item, cx.ntiles,
-           t_item - t_fetch, clock64() - t_item);
-    for (int it = 0; it < min(cx.ntiles, 64); ++it)
-      printf("TRACE block %d item %d it %2d | %6lld %6lld %6lld %6lld | %6lld %6lld %6lld %6lld\n", blockIdx.x, item, it,
-             sm.trace[it][0], sm.trace[it][1], sm.trace[it][2], sm.trace[it][3], sm.trace[it][4], sm.trace[it][5],
-             sm.trace[it][6], sm.trace[it][7]);
-  }
-  __syncthreads();
-#endif
+  KDTREE_MMA_TRACE_DUMP(item, cx.ntiles, t_fetch);
 }
 
 // The mma.sync split-K kernel over bf16 keys. DraftsApart (KV scales on a bf16 pool, Params::drafts_apart): the plan
@@ -482,10 +450,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
   uint32_t pair_bits = 0u;   // score warps of a pair: bit slot = parity of mx_full[..][other][slot]; bit 2: xl_full
 
   for (int k = 0;; ++k) {
-    long long t_fetch = 0;
-#ifdef KDTREE_EXP_TRACE
-    t_fetch = clock64();
-#endif
+    long long t_fetch = 0;   // (TRACE builds: the claim's start)
+    if constexpr (kExpTrace) t_fetch = clock64();
     if (tid == 0) sm.item = claim_item(prm, k);
     __syncthreads();
     const int item = sm.item;

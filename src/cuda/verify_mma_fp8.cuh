@@ -76,13 +76,9 @@ struct SharedStorageFp8 {
   float row_l[kBlockM];
   unsigned long long full[kStages8];
   int item, total;
-#ifdef KDTREE_EXP_TRACE
-  long long trace[64][8];
-#endif
+  KDTREE_MMA_TRACE_STORAGE   // TRACE builds: the stamps of the draft items (mma_item)
 };
-#ifndef KDTREE_EXP_TRACE
-static_assert(sizeof(SharedStorageFp8) <= 101376, "the FP8 kernel must fit sm_120's 99 KB per block");
-#endif
+static_assert(kExpTrace || sizeof(SharedStorageFp8) <= 101376, "the FP8 kernel must fit sm_120's 99 KB per block");
 
 // Byte offset of P row `row`, 16-byte half `half`, in a P tile: halves swapped on rows 4-7 of every 8, so that
 // ldmatrix's 8 rows of a half and the score warps' 32-bit stores fall in distinct banks.

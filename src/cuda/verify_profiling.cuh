@@ -6,7 +6,7 @@
 // The switches:
 //   KDTREE_EXP_TRACE               per-tile SM-clock stamps of the split kernels' first items (blocks 0 and 1),
 //                                  printed after the call by kdtree_trace_dump_kernel (tools/trace_case.py); the
-//                                  mma.sync kernel keeps and prints its own (verify_mma.cuh)
+//                                  mma.sync kernels (bf16, FP8) stamp every item in shared memory and print it
 //   KDTREE_EXP_TIMELINE            %globaltimer of each kernel's start, wait and end, of every combine work's steps and
 //                                  of every row tile's release, printed by the combine's last block
 //                                  (tools/timeline_case.py)
@@ -39,9 +39,10 @@ constexpr bool exp_same_spelling(const char* a, const char* b) {
 constexpr bool kExpNoScoreMma = KDTREE_EXP_DEFINED(KDTREE_EXP_NO_SCORE_MMA);
 constexpr bool kExpNoPvMma = KDTREE_EXP_DEFINED(KDTREE_EXP_NO_PV_MMA);
 // (Not a measure of delivery without DRAM at full scale: 132 SMs reading one 1,152-byte row meet on the same L2 lines;
-// the default's H16 N9 P131072 took 329 us so, not 115.)
+// the default's H16 N9 P131072 took 329 us so on the H200, not 115.)
 constexpr bool kExpNoGather = KDTREE_EXP_DEFINED(KDTREE_EXP_NO_GATHER);
 constexpr bool kExpTimeline = KDTREE_EXP_DEFINED(KDTREE_EXP_TIMELINE);
+constexpr bool kExpTrace = KDTREE_EXP_DEFINED(KDTREE_EXP_TRACE);
 #ifdef KDTREE_EXP_COMBINE_BLOCKS_DIV
 constexpr int kExpCombineBlocksDiv = KDTREE_EXP_COMBINE_BLOCKS_DIV;
 #else
@@ -152,6 +153,51 @@ __global__ void kdtree_trace_dump_kernel() {
 #define KDTREE_DTRACE_ITEM(cond, item, tiles, q_first) do { } while (0)
 #define KDTREE_SKSTART(cond, e) do { } while (0)
 #define KDTREE_SKTRACE_ITEM(cond, item, tiles) do { } while (0)
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// TRACE (the mma.sync kernels: mma_item, the body of kdtree_verify_split_kernel and of the FP8 kernel's draft items).
+// Per tile of an item, SM clocks from the item's start: score warp 0's tile landed (0), P buffer free (1), S landed (2),
+// P published (3); value warp 0's P ready (4), P V landed (5), key buffer consumed (6), refill issued (7). They stay in
+// shared memory (KDTREE_MMA_TRACE_STORAGE, a member of SharedStorage and SharedStorageFp8: 4 KB, so a TRACE build's
+// 2-stage storage exceeds sm_120's 99 KB) and thread 0 of blocks 0 and 1 prints each item's after the item (these
+// kernels have no wgmma for a printf to serialise).
+// The macros read names of mma_item's scope: sm, tid, lane, it (the tile) and t_item (KDTREE_TRACE_ITEM_START).
+// ---------------------------------------------------------------------------------------------
+#ifdef KDTREE_EXP_TRACE
+namespace trace {
+constexpr int kMmaTiles = 64;   // tiles stamped per item: the first 64
+}  // namespace trace
+
+#define KDTREE_MMA_TRACE_STORAGE long long trace[::kdtree::trace::kMmaTiles][8];
+// Stamp e of tile `it` (lane 0 of the calling warp).
+#define KDTREE_MMA_TRACE(e) \
+  do { if (lane == 0 && it < ::kdtree::trace::kMmaTiles) sm.trace[it][e] = clock64() - t_item; } while (0)
+// Stamp e once the accumulators x and y have landed: the store that a test of them guards (never taken on real data)
+// keeps the stamp after the mma that produce them.
+#define KDTREE_MMA_TRACE_LANDED(e, x, y, sink) \
+  do { if ((x) == 12345.f && (y) == 12345.f) (sink) = 0.f; KDTREE_MMA_TRACE(e); } while (0)
+// The item's stamps, printed by thread 0 of blocks 0 and 1 in the lines tools/trace_case.py documents: its prologue
+// (clocks from the claim, t_fetch, to the item's start), its total and its tiles. Every thread of the block calls it:
+// it ends on a barrier, so that the next item's stamps wait for the printing. (A macro: the same printing from an
+// inlined function changes the register allocation of the kernel it times.)
+#define KDTREE_MMA_TRACE_DUMP(item, tiles, t_fetch)                                                              \
+  do {                                                                                                           \
+    if (tid == 0 && blockIdx.x < 2) {                                                                            \
+      printf("TRACE block %d item %d tiles %d prologue %lld total %lld\n", blockIdx.x, item, tiles,              \
+             t_item - (t_fetch), clock64() - t_item);                                                            \
+      for (int t_ = 0; t_ < min(tiles, ::kdtree::trace::kMmaTiles); ++t_)                                        \
+        printf("TRACE block %d item %d it %2d | %6lld %6lld %6lld %6lld | %6lld %6lld %6lld %6lld\n", blockIdx.x, \
+               item, t_, sm.trace[t_][0], sm.trace[t_][1], sm.trace[t_][2], sm.trace[t_][3], sm.trace[t_][4],     \
+               sm.trace[t_][5], sm.trace[t_][6], sm.trace[t_][7]);                                               \
+    }                                                                                                            \
+    __syncthreads();                                                                                             \
+  } while (0)
+#else
+#define KDTREE_MMA_TRACE_STORAGE
+#define KDTREE_MMA_TRACE(e) do { } while (0)
+#define KDTREE_MMA_TRACE_LANDED(e, x, y, sink) do { } while (0)
+#define KDTREE_MMA_TRACE_DUMP(item, tiles, t_fetch) do { } while (0)
 #endif
 
 // ---------------------------------------------------------------------------------------------

@@ -175,8 +175,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // (barrier.sync.aligned): every thread that waits on one use of a barrier must execute that same instruction. Where
 // two roles of a warp-specialised kernel meet, one role therefore only arrives and the other waits; a barrier that
 // both must wait on from their own branches is the unaligned sync_block_roles. (Both roles waiting at bar.sync from
-// different instructions is undefined; compute-sanitizer's synccheck reports it as "Divergent thread(s) in block",
-// session 20.)
+// different instructions is undefined; compute-sanitizer's synccheck reports it as "Divergent thread(s) in block".)
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }

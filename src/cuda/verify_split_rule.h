@@ -1,6 +1,6 @@
 // verify_split_rule.h: how a request's keys are cut into splits (the plan kernel's rule, verify_plan.cuh's
 // request_plan). Plain C++, so that the host can compute the same plan: tests/test_split_rule.py compiles it with the
-// host compiler and checks it against a model of the persistent grid (benchmarks/sim_schedule.py).
+// host compiler and checks it against a model of the persistent grid (tools/sim_schedule.py).
 //
 // The split count and chunk depend on the request's own length and row tiles and on the split kernel's grid only
 // (batch-invariant: a request's partials, and so its result, do not depend on its batch mates).
@@ -14,16 +14,16 @@
 
 namespace kdtree {
 
-// KDTREE_PLAN_BALANCE (session 36, the default; 0: the rule of sessions 1-35, every split of a request equal but the
-// last). Measured (H200, A/B within one run, means of three, PERF_LOG history 197): H16 N65 P131072 -3.6% (601.6
-// against 624.1 us), H16 N33 -2.3%, H128 N9 P32768 -2.2% (167.0 against 170.8), H32 N9 -0.9%; the model below
-// predicted -6.6 / -3.4 / -4.0 / -1.2%. Every other benchmark shape has the same plan and bit-identical outputs.
+// KDTREE_PLAN_BALANCE (1, the default; 0: the base rule alone, every split of a request equal but the last).
+// Measured (H200, A/B within one run, means of three): H16 N65 P131072 -3.6% (601.6 against 624.1 us), H16 N33 -2.3%,
+// H128 N9 P32768 -2.2% (167.0 against 170.8), H32 N9 -0.9%; the model below predicted -6.6 / -3.4 / -4.0 / -1.2%.
+// Every other benchmark shape has the same plan and bit-identical outputs.
 #ifndef KDTREE_PLAN_BALANCE
 #define KDTREE_PLAN_BALANCE 1
 #endif
 // What an item costs beyond its key tiles, in tiles: its start (q and the first tiles land, ~2,400-4,000 SM clocks in
-// the dual kernel's traces, PERF_LOG history 133-136) and its end (the partials' store, ~3,550), against ~1,760 clocks
-// a 32-key tile in the steady state (history 169).
+// the dual kernel's TRACE stamps on the H200) and its end (the partials' store, ~3,550), against ~1,760 clocks a
+// 32-key tile in the steady state.
 #ifndef KDTREE_PLAN_ITEM_TILES
 #define KDTREE_PLAN_ITEM_TILES 4
 #endif
@@ -40,7 +40,7 @@ KDTREE_HD inline long long split_ceil_div(long long a, long long b) { return (a 
 // blocks that claim items in order (block i item i first, then the next unclaimed one), items numbered split-major
 // within the request.
 // - Base rule: nsplit = min(len / min_chunk, blocks / mtiles), equal chunks of whole tiles.
-// - Balance (KDTREE_PLAN_BALANCE, session 36): when mtiles does not divide `blocks`, the base rule leaves
+// - Balance (KDTREE_PLAN_BALANCE): when mtiles does not divide `blocks`, the base rule leaves
 //   F = blocks - nsplit * mtiles blocks idle (H128 N9: 18 x 7 = 126 of 132; H16 N65: 17 x 7 = 119). One more split per
 //   row tile, with shorter chunks c and a short last split s, lets the F blocks take the mtiles short items, r = ceil(
 //   mtiles / F) each, while the others run one long item: a makespan of max(c + e, r (s + e)) tiles, e the item's own
