@@ -40,7 +40,7 @@ def table(d):
     lines = [
         f"Device: {env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"triton {env['triton']}, sglang {env['sglang']}, kdtree {env['kdtree']}, {env['date']}"
-        + (f", split kernel {env['split_kernel']}" if "split_kernel" in env else "") + ".",
+        + (f", split kernel {env['split_kernel']}" if "split_kernel" in env and not per_call else "") + ".",
         "",
         "| shape | kdtree us (eager) | kdtree us (graph) | KV GB/s | TFLOP/s | floor us | % of floor "
         "| SGLang Triton us | speed-up | rel. diff vs SGLang | graph, mask reused (per layer) us |"
@@ -125,7 +125,8 @@ def plot(d, path):
     rows.sort(key=lambda r: r["prefixes"][0])
     x = [r["prefixes"][0] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    kernel = f", {d['env']['split_kernel']}" if "split_kernel" in d["env"] else ""
+    kernels = sorted({r["split_kernel"] for r in rows if "split_kernel" in r}) or [d["env"].get("split_kernel")]
+    kernel = f", {' / '.join(kernels)}" if kernels != [None] else ""
     ax.plot(x, [r["kdtree_graph_us"] for r in rows], "o-", label=f"kdtree (graph replay{kernel})")
     if all("sglang_us" in r for r in rows):
         ax.plot(x, [r["sglang_us"] for r in rows], "s-", label="SGLang Triton extend_attention_fwd")
