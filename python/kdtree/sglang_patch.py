@@ -88,12 +88,13 @@ SERVED_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 #: plus the original's bf16 cast of the softmax weights)
 DEFAULT_ATOL = 2e-2
 DEFAULT_RTOL = 2e-2
-#: validate mode on an e4m3 pool: SGLang's own fp8 numerics (e4m3 q unscaled, e4m3 P) put its output at a relative L2
-#: error of 3-4% on N(0, 1) data, elementwise up to ~0.14 where values reach ~3 (tests/fp8_model.py, P 64..4000); kdtree's
-#: is ~1.3%. 0.1 + 0.1 * |original| holds those with margin; larger queries (|q| ~ 30) move SGLang's own output by more
-#: (its unscaled e4m3 cast of q), and validate reports that as mismatches.
-DEFAULT_FP8_ATOL = 1e-1
-DEFAULT_FP8_RTOL = 1e-1
+#: validate mode on an e4m3 pool, per (token, head) row: rms(kernel - SGLang) <= FP8_ATOL + FP8_RTOL * rms(SGLang).
+#: SGLang's own fp8 numerics (e4m3 q unscaled, e4m3 P) put its output 3-4% (relative L2) off the exact result on
+#: N(0, 1) data and its worst row 12% off (tests/fp8_model.py: prefixes 0 to 8000, 16 to 128 heads); kdtree's is
+#: ~0.5%. 0.3 holds that worst row 2.4x over, and a wrong row (~100% off) fails it. Larger queries (|q| ~ 30) move
+#: SGLang's own output further (its unscaled e4m3 cast of q), and validate reports that as mismatches.
+DEFAULT_FP8_ATOL = 1e-2
+DEFAULT_FP8_RTOL = 3e-1
 #: validate mode: at most one mismatch log line per this many seconds (the first is always logged)
 MISMATCH_LOG_INTERVAL_S = 10.0
 
@@ -763,20 +764,28 @@ def _should_log_mismatch() -> bool:
 
 
 def _compare(expected: torch.Tensor, got: torch.Tensor, layer, fp8: bool = False) -> None:
-    """Elementwise ``|got - expected| <= atol + rtol * |expected|`` (the fp8 pair on an e4m3 pool). A NaN or inf on
-    either side is a mismatch (an attention output is never legitimately non-finite, and NaN never passes)."""
+    """bf16 pools: elementwise ``|got - expected| <= atol + rtol * |expected|``. e4m3 pools: per (token, head) row,
+    ``rms(got - expected) <= fp8_atol + fp8_rtol * rms(expected)``: SGLang's own fp8 output scatters elementwise by
+    up to ~1.3x ``0.1 + 0.1 |x|`` where a few keys dominate a row, while its rows stay within ~12% (relative L2) of
+    the exact result, and a wrong row is ~100% off. A NaN or inf on either side is a mismatch (an attention output is
+    never legitimately non-finite, and NaN never passes)."""
     atol, rtol = (_state.fp8_atol, _state.fp8_rtol) if fp8 else (_state.atol, _state.rtol)
+    T, H, D = expected.shape
     e = expected.float()
     g = got.float()
     finite_e = torch.isfinite(e)
     both_finite = finite_e & torch.isfinite(g)
     err = torch.where(both_finite, (g - e).abs(), torch.full_like(e, math.inf))
-    tol = atol + rtol * torch.where(finite_e, e.abs(), torch.zeros_like(e))
-    bad = err > tol
-    ratio = err / tol                                     # > 1: outside the tolerance
-    worst = torch.argmax(ratio)
-    scale = torch.where(finite_e, e.abs(), torch.zeros_like(e)).max()
-    summary = torch.stack([err.max(), scale, ratio.max(), bad.sum().to(err.dtype), worst.to(err.dtype),
+    e0 = torch.where(finite_e, e.abs(), torch.zeros_like(e))
+    if fp8:
+        ratio = err.pow(2).mean(-1).sqrt() / (atol + rtol * e0.pow(2).mean(-1).sqrt())   # [T, H]: > 1 is outside
+        worst_row = torch.argmax(ratio)
+        worst = worst_row * D + torch.argmax(err.reshape(-1, D)[worst_row])
+    else:
+        ratio = err / (atol + rtol * e0)                                                  # [T, H, D]
+        worst = torch.argmax(ratio)
+    bad = ratio > 1
+    summary = torch.stack([err.max(), e0.max(), ratio.max(), bad.sum().to(err.dtype), worst.to(err.dtype),
                            g.reshape(-1)[worst], e.reshape(-1)[worst]]).tolist()   # one host sync
     max_abs, scale, worst_ratio, n_bad, worst_flat, got_w, exp_w = summary
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
@@ -789,12 +798,12 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, layer, fp8: bool = False
         if n_bad == 0:
             return
         c.mismatched += 1
-        T, H, D = expected.shape
         flat = int(worst_flat)
         index = (flat // (H * D), (flat // D) % H, flat % D)
         c.last_mismatch = {
             "layer_id": layer.layer_id, "num_tokens": T, "num_heads": H, "max_abs_err": max_abs,
-            "max_rel_err": max_rel, "tolerance_ratio": worst_ratio, "mismatched_elements": int(n_bad),
+            "max_rel_err": max_rel, "tolerance_ratio": worst_ratio,
+            ("mismatched_rows" if fp8 else "mismatched_elements"): int(n_bad),
             "worst_index": index,
             "kernel": got_w, "original": exp_w,
         }
@@ -803,11 +812,13 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, layer, fp8: bool = False
         _state.last_mismatch_log = time.monotonic()
     if first or _should_log_mismatch():
         suppressed, _state.mismatch_logs_suppressed = _state.mismatch_logs_suppressed, 0
+        what = (f"rows (token, head) of {T * H} outside rms {atol:g} + {rtol:g}*rms(ref)" if fp8
+                else f"elements of {T * H * D} outside {atol:g} + {rtol:g}*|ref|")
         logger.warning(
-            "kdtree validate: mismatch on layer %s (T=%d, H=%d): max abs err %.4g, max rel err %.4g, %d of %d "
-            "elements outside %g + %g*|ref|; worst at (token %d, head %d, dim %d): kernel %r vs SGLang %r "
-            "[%d mismatches in %d comparisons so far%s]", layer.layer_id, T, H, max_abs, max_rel, int(n_bad),
-            T * H * D, atol, rtol, index[0], index[1], index[2], got_w, exp_w, c.mismatched, c.compared,
+            "kdtree validate: mismatch on layer %s (T=%d, H=%d): max abs err %.4g, max rel err %.4g, %d %s; "
+            "worst at (token %d, head %d, dim %d): kernel %r vs SGLang %r "
+            "[%d mismatches in %d comparisons so far%s]", layer.layer_id, T, H, max_abs, max_rel, int(n_bad), what,
+            index[0], index[1], index[2], got_w, exp_w, c.mismatched, c.compared,
             f"; {suppressed} log lines suppressed" if suppressed else "")
 
 
