@@ -266,7 +266,8 @@ def install(mode: Optional[str] = None, *, atol: Optional[float] = None, rtol: O
         mode: ``off``, ``validate`` or ``on``; None reads ``$KDTREE_VERIFY`` (unset = off).
             An unknown value raises ValueError. ``off`` restores the original method.
         atol, rtol: validate mode's tolerance (default :data:`DEFAULT_ATOL`, :data:`DEFAULT_RTOL`).
-        fp8_atol, fp8_rtol: the same on an e4m3 pool (default :data:`DEFAULT_FP8_ATOL`, :data:`DEFAULT_FP8_RTOL`).
+        fp8_atol, fp8_rtol: validate mode's bound on an e4m3 pool, per (token, head) row on the rms of the
+            difference (default :data:`DEFAULT_FP8_ATOL`, :data:`DEFAULT_FP8_RTOL`).
         propagate: also set ``$KDTREE_VERIFY`` to the mode, so that processes SGLang spawns
             (scheduler, TP workers) patch themselves at start through the ``kdtree-autopatch.pth``
             file the package installs.
