@@ -2,6 +2,8 @@
 
 Run on a GPU machine after ``source .carry/sglang/activate`` (SGLANG.md) with kdtree built:
     python -m pytest tests/test_sglang_gpu.py -m gpu
+The pool tests build their metadata with SGLang's own builders, which import ``kv_index_translator``: complete the
+bundle with ``python tools/sglang_bundle_extras.py`` before carrying it (its file list lacks that module).
 Every case compares the patched call with SGLang's own ``forward_extend`` (real Triton kernel) on
 an identical copy of the inputs, and with a float64 reference: bf16, B 1 and 8 with ragged
 prefixes, N 1 and 9 with trees, N 16 without a mask (DFlash chain), N 33 with all-False padding
