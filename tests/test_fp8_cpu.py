@@ -6,9 +6,7 @@ e4m3 wrongly); the model of its math in tests/fp8_model.py does.
 """
 
 import math
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import kdtree
 from kdtree.reference import verify_attention_reference
 from kdtree.synthetic import make_verify_batch
 
+from cuda_tools import find_nvcc
 from fp8_model import e4m3, q8_row_exponent, q8_split, sglang_fp8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +76,10 @@ def test_q8_exponent_rule_and_split():
 
 
 def _host_compiler():
-    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and os.access(cand, os.X_OK):
-            return cand
-    pytest.skip("nvcc not found")
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    return nvcc
 
 
 def test_q8_exponent_in_the_cuda_header_matches_the_model(tmp_path):
