@@ -315,8 +315,10 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
       }
     }
   }
+  // (sm.item read before the closing barrier: thread 0 stores the next item's index right after it)
+  const int done_item = tid == kThreads - 1 ? sm.item : 0;
   __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
-  if (tid == kThreads - 1) signal_item_done(prm, item_ctx_again(prm, sm.item));
+  if (tid == kThreads - 1) signal_item_done(prm, item_ctx_again(prm, done_item));
 }
 
 // The FP8 split-K kernel: prefix items in e4m3 (mma_item_fp8), draft items in bf16 (mma_item, 2 stages), one
