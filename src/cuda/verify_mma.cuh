@@ -138,8 +138,46 @@ __device__ __forceinline__ void issue_tile(Smem& sm, const Params& prm, const It
   }
 }
 
+// The start of an item's key ring, by the value warps: the slot ids of tiles 0 .. Stages loaded together first (each
+// copy's asm orders any load after it, so loading them between the copies waits one round trip per tile), then
+// issue(t, slot) for tiles 0 .. Stages - 1. Returns an issuer lane's slot id of tile Stages, the next to issue.
+template <int Stages, typename Issue>
+__device__ __forceinline__ long long start_key_ring(const Params& prm, const ItemCtx& cx, int vw, bool issuer,
+                                                    int my_key, Issue issue) {
+  long long slots[Stages + 1];
+#pragma unroll
+  for (int t = 0; t <= Stages; ++t)
+    slots[t] = issuer && t < cx.ntiles ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1;
+  if (vw >= 0) {
+#pragma unroll
+    for (int t = 0; t < Stages; ++t)
+      if (t < cx.ntiles) issue(t, slots[t]);
+  }
+  return slots[Stages];
+}
+
 // Byte offset of (row, 16-byte chunk) in a P tile: chunks XOR-swizzled by (row / 2) % 4.
 __device__ __forceinline__ int p_off(int row, int chunk) { return row * kTileN + ((chunk ^ ((row >> 1) & 3)) << 3); }
+
+// A value warp's O = alpha O for the row blocks that hold rows (rblocks, warp-uniform); alpha of tile row r is
+// alpha[r]. Once the running maxima settle, alpha is exactly 1 for whole row blocks: those skip their 32 FMULs.
+template <int RowBlocks, int Tiles>
+__device__ __forceinline__ void rescale_o(float (&o)[RowBlocks][Tiles][4], const float* alpha, int g, int rblocks) {
+#pragma unroll
+  for (int rb = 0; rb < RowBlocks; ++rb) {
+    const float a0 = alpha[rb * 16 + g];
+    const float a1 = alpha[rb * 16 + g + 8];
+    if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
+#pragma unroll
+      for (int nt = 0; nt < Tiles; ++nt) {
+        o[rb][nt][0] *= a0;
+        o[rb][nt][1] *= a0;
+        o[rb][nt][2] *= a1;
+        o[rb][nt][3] *= a1;
+      }
+    }
+  }
+}
 
 // One work item of the mma.sync pass (cx: its rows and keys [k0, k1)), by every thread of the block: its keys bf16
 // (prefix keys from the pool, drafts from k_new), its scores in log2 units times `score_scale` (Params::scale_log2, times
@@ -165,18 +203,9 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
   const int H = prm.heads;
 
   // ---- prologue: tiles 0 .. Stages-1 on their way, query columns [384, 576) into shared memory ----
-  // (the slot ids of tiles 0 .. Stages are loaded together first: each copy's asm orders any load
-  // after it, so loading them between the copies waits one round trip per tile)
-  long long slots[Stages + 1];
-#pragma unroll
-  for (int t = 0; t <= Stages; ++t)
-    slots[t] = issuer && t < cx.ntiles ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1;
-  if (vw >= 0) {
-#pragma unroll
-    for (int t = 0; t < Stages; ++t)
-      if (t < cx.ntiles) issue_tile(sm, prm, cx, t, t, vw, lane, slots[t]);
-  }
-  long long next_slot = slots[Stages];   // issuer lanes: slot id of the next tile to issue
+  long long next_slot = start_key_ring<Stages>(prm, cx, vw, issuer, my_key, [&](int t, long long slot) {
+    issue_tile(sm, prm, cx, t, t, vw, lane, slot);
+  });   // issuer lanes: slot id of the next tile to issue
   for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {   // all copies in flight at once
     const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
     const int d = kQRegDims + ch * 8;   // query column
@@ -335,21 +364,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
       bar_sync(kBarPFull + b, kThreads);   // P/alpha[b] of tile `it` published
       mbar_wait_buffer(sm.full, phase_bits, b);   // already complete: acquires the keys' bytes
       if (vw == 0) KDTREE_MMA_TRACE(4);
-#pragma unroll
-      for (int rb = 0; rb < kRowBlocks; ++rb) {
-        const float a0 = sm.alpha[b][rb * 16 + g];
-        const float a1 = sm.alpha[b][rb * 16 + g + 8];
-        // once the running maxima settle, alpha is exactly 1 for whole row blocks: skip 32 FMULs
-        if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
-#pragma unroll
-          for (int nt = 0; nt < kValueCols / 8; ++nt) {
-            o[rb][nt][0] *= a0;
-            o[rb][nt][1] *= a0;
-            o[rb][nt][2] *= a1;
-            o[rb][nt][3] *= a1;
-          }
-        }
-      }
+      rescale_o(o, sm.alpha[b], g, rblocks);
       if constexpr (!kExpNoPvMma) {   // (the knock-out leaves O at zero)
 #pragma unroll
         for (int kk = 0; kk < kTileN / 16; ++kk) {

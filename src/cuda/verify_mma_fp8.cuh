@@ -121,16 +121,9 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
   const int H = prm.heads;
 
   // ---- prologue: tiles 0 .. kStages-1 on their way (value warps); q split and quantised (score warps) ----
-  long long slots[kStages + 1];
-#pragma unroll
-  for (int t = 0; t <= kStages; ++t)
-    slots[t] = issuer && t < cx.ntiles ? key_slot(prm, cx, cx.k0 + t * kTileN + my_key) : -1;
-  if (vw >= 0) {
-#pragma unroll
-    for (int t = 0; t < kStages; ++t)
-      if (t < cx.ntiles) issue_tile8(sm, prm, cx, t, t, vw, lane, slots[t]);
-  }
-  long long next_slot = slots[kStages];
+  long long next_slot = start_key_ring<kStages>(prm, cx, vw, issuer, my_key, [&](int t, long long slot) {
+    issue_tile8(sm, prm, cx, t, t, vw, lane, slot);
+  });
 
   // lo(q) and the last steps of hi(q) of the item's rows (the prep kernel's, verify_q8.cuh) into shared memory; the
   // rest of hi goes to the score warps' registers
@@ -251,20 +244,7 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
       const int b = it % kStages;
       bar_sync(kBarPFull + b, kThreads);
       mbar_wait_buffer(sm.full, phase_bits, b);
-#pragma unroll
-      for (int rb = 0; rb < kRowBlocks; ++rb) {
-        const float a0 = sm.alpha[b][rb * 16 + g];
-        const float a1 = sm.alpha[b][rb * 16 + g + 8];
-        if (rb < rblocks && !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {
-#pragma unroll
-          for (int nt = 0; nt < kValueCols / 8; ++nt) {
-            o[rb][nt][0] *= a0;
-            o[rb][nt][1] *= a0;
-            o[rb][nt][2] *= a1;
-            o[rb][nt][3] *= a1;
-          }
-        }
-      }
+      rescale_o(o, sm.alpha[b], g, rblocks);
       uint32_t pa[kRowBlocks][4];
 #pragma unroll
       for (int rb = 0; rb < kRowBlocks; ++rb) {
