@@ -32,11 +32,13 @@ def _run(args, **kw):
 
 def test_calls_run_the_fp8_and_scaled_kernels():
     ext = _ext.load()
+    # e4m3: the dual kernel's FP8 form where the device runs the dual kernel (sm_90a), else the sm_120 code path
+    fp8 = "wgmma-dual-fp8" if ext.split_kernel() == "wgmma-dual" else "mma.sync-fp8"
     for b, t, h in [(1, 9, 16), (1, 1, 16), (4, 36, 16), (2, 3, 128)]:
-        assert ext.split_kernel(b, t, h, ext.KV_E4M3) == "mma.sync-fp8"
-        assert ext.split_kernel(b, t, h, ext.KV_E4M3, True) == "mma.sync-fp8"
+        assert ext.split_kernel(b, t, h, ext.KV_E4M3) == fp8
+        assert ext.split_kernel(b, t, h, ext.KV_E4M3, True) == fp8
         assert ext.split_kernel(b, t, h, ext.KV_BF16, True) == "mma.sync-scaled"
-        assert ext.split_kernel(b, t, h, ext.KV_BF16) not in ("mma.sync-fp8", "mma.sync-scaled")
+        assert ext.split_kernel(b, t, h, ext.KV_BF16) not in ("mma.sync-fp8", "mma.sync-scaled", "wgmma-dual-fp8")
 
 
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])

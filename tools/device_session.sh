@@ -8,7 +8,8 @@
 #   every other split kernel
 # - bench: benchmarks/bench.py (quick: three shapes; smallrows: the <= 16-row shapes too; sglang: SGLang's Triton
 #   kernel beside it; layer: benchmarks/bench_sglang_layer.py; sm120path: the mma.sync 2-stage code path again;
-#   fp8: the same shapes on an e4m3 pool, bench_e4m3.json)
+#   fp8: the same shapes on an e4m3 pool, bench_e4m3.json; fp8 with sm120path: the e4m3 pool on the sm_120 code path
+#   too, bench_e4m3_2stage.json)
 # - fp8 without bench: the kernel tests on an e4m3 pool (KDTREE_TEST_KV=e4m3); with sanitize, the FP8 kernel's cases
 # - mmatests: the kernel tests on the non-default split kernels (mma.sync 2 / 3 stages, the skinny kernel for every
 #   call, the dual kernel for small calls)
@@ -51,6 +52,11 @@ if has bench; then
     log "bench: e4m3 pool"
     extra8=""; has quick && extra8="--quick"; has sglang || extra8="$extra8 --no-sglang"
     python3 benchmarks/bench.py --kv e4m3 --out "$OUT/bench_e4m3.json" $extra8 2>&1 | tee "$OUT/bench_e4m3.log"
+    if has sm120path; then
+      log "bench: e4m3 pool, the sm_120 code path (the FP8 mma.sync kernel with its sm_90 stand-in MMA)"
+      KDTREE_SPLIT_STAGES=2 python3 benchmarks/bench.py --kv e4m3 --no-sglang $( has quick && echo --quick ) \
+        --out "$OUT/bench_e4m3_2stage.json" 2>&1 | tee "$OUT/bench_e4m3_2stage.log"
+    fi
   fi
   if has sm120path; then
     log "bench: the sm_120 pipeline (mma.sync, 2 stages) on this GPU"

@@ -27,6 +27,8 @@
 // (144 KB) fill, is the busiest unit (~75% of its peak).
 #pragma once
 
+#include <type_traits>
+
 #include "verify_wgmma.cuh"
 
 namespace kdtree {
@@ -43,7 +45,10 @@ using wg::kQSlabBytes;
 using wg::kKSteps;
 using wg::kPvSteps;
 
-constexpr int kStages = 4;                     // even: each score warpgroup waits only on its own buffers
+// Key buffers of the ring (even: each score warpgroup waits only on its own buffers): 4 of bf16 tiles; the FP8 form
+// (below) has 2 beside its e4m3 staging ring in the same bytes.
+template <bool Fp8>
+constexpr int kRing = Fp8 ? 2 : 4;
 constexpr int kValueThreads = 256;             // the two value warpgroups
 constexpr int kThreads = 640;                  // 2 score + 2 value warpgroups + the producer
 constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;   // 96: the launch's registers a thread, one block per SM
@@ -59,7 +64,7 @@ constexpr int kProducerKeys = 2;               // keys of a tile per producer th
 // the rest of the ring, so that q and the first tiles are not queued behind the whole ring (H200: -0.3 to -3.7 us on
 // six shapes against asking for the whole ring at once; with q by TMA, 4 and 2 measure the same).
 constexpr int kQFirst = 2;
-static_assert(kQFirst >= 1 && kQFirst <= kStages, "tiles asked for before q has landed: 1 .. kStages");
+static_assert(kQFirst >= 1 && kQFirst <= kRing<false>, "tiles asked for before q has landed: 1 .. the ring");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 
@@ -68,6 +73,7 @@ constexpr int kBarBlock = 1;    // score warpgroup 0 and the value warpgroups: r
 constexpr int kBarPFull = 2;    // + s: score warpgroup s arrives, the value warpgroups wait (wake-up)
 constexpr int kBarValues = 4;   // the two value warpgroups: the item's O rows staged in the ring
 constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
+constexpr int kBarProducer = 6; // the producer warpgroup (FP8): every thread's reads of an e4m3 stage are done
 
 // tau of the lazy reference maximum (0: the reference is every tile's running maximum, O rescaled whenever it moves).
 // Measured (H200, A/B within one run): tau 8 -1.9% at H16 N9 P131072, -3.1% P185000, -3.3% H128 N9 P32768, -4.5% B8,
@@ -77,16 +83,17 @@ constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in sh
 #endif
 static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) or tau > 0");
 
-struct Smem {
+template <int Ring>
+struct SmemRing {
   unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
-  unsigned char kv[kStages][kTileBytes];   // 147,456
+  unsigned char kv[Ring][kTileBytes];      // 147,456 (4 buffers), 73,728 (2)
   unsigned char p[2][kPBytes];             // P of score warpgroup s's latest tile
   float alpha[2][kBlockM];                 // its rescale factors
   float m[2][kBlockM];                     // the running row maxima after its latest tile
   float xl[kBlockM], xmu[kBlockM];         // score warpgroup 1's row sums at the end of an item, their max
   float row_l[kBlockM];                    // the item's row sums, for the value warpgroups
-  unsigned long long full[kStages];   // tile landed: one arrival per producer thread (128)
-  unsigned long long empty[kStages];  // the value warpgroups are done with the buffer (256 arrivals)
+  unsigned long long full[Ring];      // tile landed: one arrival per producer thread (128)
+  unsigned long long empty[Ring];     // the value warpgroups are done with the buffer (256 arrivals)
   unsigned long long p_full[2];       // P / alpha of score warpgroup s published: 128 arrivals (release)
   unsigned long long p_empty[2];      // consumed: 256 value-thread arrivals (release)
   unsigned long long m_full[2];       // m of score warpgroup s's latest tile published: 128 arrivals
@@ -97,23 +104,89 @@ struct Smem {
   int item[2];   // the block's k-th work item in item[k % 2]
   unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
 };
-constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
-static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+
+// The FP8 form (a call over an e4m3 pool): prefix tiles land as 576-byte e4m3 rows in a staging ring of kStages8
+// buffers (bulk copies, one a key, on `landed`), and the producer widens each to bf16 into the 2-buffer key ring, in
+// the layout the bf16 tiles have there; everything downstream of the ring is the bf16 kernel's. The drafts (bf16, from
+// k_new) have items of their own (Params::drafts_apart) and take the bf16 copies into the ring. The staging ring and
+// the two bf16 buffers fill the bytes of the bf16 kernel's four. What that costs (H100, H16 N9 P131072, one run): the
+// bf16 kernel with two buffers instead of four takes 147 us against 117; this kernel 214, and 163 with the widening
+// knocked out: the widen sits on the two-buffer chain (a buffer is refilled only after both P V of its last tile).
+constexpr int kStages8 = 3;
+constexpr int kPitch8 = kDimQK + 16;   // 592 B a staged row: 8 rows at one offset fall in distinct 16-byte bank groups
+struct SmemFp8 : SmemRing<2> {
+  alignas(128) unsigned char kv8[kStages8][kTileN * kPitch8];   // 56,832
+  unsigned long long landed[kStages8];   // e4m3 tile staged: 1 arrival (the expected bytes) + the copies' bytes
+};
+template <bool Fp8>
+using Smem = std::conditional_t<Fp8, SmemFp8, SmemRing<4>>;
+template <bool Fp8>
+constexpr size_t kSmemBytesOf = sizeof(Smem<Fp8>) + 1024;   // + room to align the base to 1 KB
+constexpr size_t kSmemBytes = kSmemBytesOf<false>;
+constexpr size_t kSmemBytesFp8 = kSmemBytesOf<true>;
+static_assert(kSmemBytes <= 232448 && kSmemBytesFp8 <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
 static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
-static_assert(kStages % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
-static_assert(kStages * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
+static_assert(kRing<true> % 2 == 0 && kRing<false> % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
+static_assert(kRing<true> * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
+static_assert(kPitch8 % 16 == 0 && (kPitch8 / 16) % 2 == 1, "staged rows 16 B aligned, an odd number of 16 B apart");
 
 // Producer thread i's part of tile t (kProducerKeys keys: wg::copy_tile) into ring buffer b, then its arrival on the
 // buffer's mbarrier once it has landed; nothing past the item's last tile.
-__device__ __forceinline__ void gather_tile(Smem& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
+template <typename SmemT>
+__device__ __forceinline__ void gather_tile(SmemT& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
                                             const long long (&slot)[kProducerKeys]) {
   wg::copy_tile<kProducerKeys>(smem_u32(&sm.kv[0][0]) + b * kTileBytes, &sm.full[b], prm, cx, t, i, slot);
 }
 
+// FP8: e4m3 tile t of a prefix item into staging buffer t % kStages8: one 576-byte bulk copy a key by the
+// producer's first warp (lane = key; slot: its pool slot id), the zero row past the split end.
+__device__ __forceinline__ void stage_tile8(SmemFp8& sm, const Params& prm, const ItemCtx& cx, int t, int pt,
+                                            long long slot) {
+  const int e = t % kStages8;
+  if (pt == 0) mbar_arrive_expect_tx(&sm.landed[e], kTileN * kDimQK);
+  if (pt < kTileN) {
+    fence_proxy_async();   // the producer's reads of this buffer (generic proxy) before the async writes
+    const int key = cx.k0 + t * kTileN + pt;
+    const void* src = key < cx.k1 ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(prm.kv) + slot * prm.kv_ss)
+                                  : static_cast<const void*>(prm.zero_row);
+    bulk_copy_g2s(&sm.kv8[e][pt * kPitch8], src, kDimQK, &sm.landed[e]);
+  }
+}
+// Four e4m3 (a 32-bit word) to four bf16 (two words), exactly: e4m3 -> f16 (cvt) -> f32, whose upper halves are the
+// bf16 values (an e4m3 value has 4 significant bits: no rounding), taken by one byte permute a pair.
+__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
+  const float2 lo = f16x2_to_float2(e4m3x2_to_f16x2(w)), hi = f16x2_to_float2(e4m3x2_to_f16x2(w >> 16));
+  return make_uint2(__byte_perm(__float_as_uint(lo.x), __float_as_uint(lo.y), 0x7632),
+                    __byte_perm(__float_as_uint(hi.x), __float_as_uint(hi.y), 0x7632));
+}
+// FP8: the staged e4m3 tile in buffer e widened to bf16 into ring buffer `kv`, in the ring's 128-byte
+// swizzled layout. Producer thread pt: key 8 (pt / 32) + pt % 8, its 16-byte e4m3 chunks j = (pt % 32) / 8 + 4 i
+// (dims 16 j ..), each two bf16 chunks of slab j / 4: the 8 lanes of a quarter warp read 8 keys at one offset (the
+// 592-byte pitch puts them in distinct bank groups) and write 8 keys' rows at one chunk (the swizzle does).
+__device__ __forceinline__ void widen_tile8(const SmemFp8& sm, int e, unsigned char* kv, int pt) {
+  const int key = ((pt >> 5) << 3) + (pt & 7), sub = (pt >> 3) & 3;
+  const unsigned char* src = &sm.kv8[e][key * kPitch8];
+  unsigned char* dst = kv + key * 128;
+#pragma unroll 3
+  for (int j = sub; j < kDimQK / 16; j += 4) {
+    const uint4 w = *reinterpret_cast<const uint4*>(src + j * 16);
+    const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y), c = e4m3x4_to_bf16x4(w.z),
+                d = e4m3x4_to_bf16x4(w.w);
+    unsigned char* slab = dst + (j >> 2) * kSlabBytes;
+    const int cc = (j & 3) * 2;
+    *reinterpret_cast<uint4*>(slab + ((cc ^ (key & 7)) << 4)) = make_uint4(a.x, a.y, b.x, b.y);
+    *reinterpret_cast<uint4*>(slab + (((cc + 1) ^ (key & 7)) << 4)) = make_uint4(c.x, c.y, d.x, d.y);
+  }
+}
+
+// The dual kernel; Fp8: the form for e4m3 pools (SmemFp8 above), whose calls have their drafts apart: a prefix item's
+// scores are scaled by k_scale and its output by v_scale (SGLang's k_descale / v_descale), a draft item's by neither.
+template <bool Fp8>
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kStages = kRing<Fp8>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Smem& sm = wg::smem_1k<Smem>(smem_raw);
+  Smem<Fp8>& sm = wg::smem_1k<Smem<Fp8>>(smem_raw);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -143,6 +216,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     mbar_init(&sm.item_full, 1);
     mbar_init(&sm.q_land, 1);
     mbar_init(&sm.ring_free, kValueThreads);
+    if constexpr (Fp8) {
+      for (int e = 0; e < kStages8; ++e) mbar_init(&sm.landed[e], 1);
+    }
     fence_proxy_async();
   }
   __syncthreads();
@@ -158,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // reports the pair as a race)
       const int item = wg::fetch_item(prm, k, tid, sm.item, &sm.item_full);
       if (item >= total) return;
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       const int nt = cx.ntiles;
       KDTREE_TRACE_ITEM_START;   // (TRACE) just after the item fetch, as the value side's
       KDTREE_DSTART(tid == 0, 0);
@@ -213,7 +289,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
-        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, prm.scale_log2, sc, tmax);
+        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c,
+                                Fp8 && cx.split < cx.rp.chunked ? prm.scale_log2 * prm.k_scale : prm.scale_log2, sc,
+                                tmax);
         if ((warp & 3) == 0) KDTREE_DTRACE(9);   // the tile's own row maxima
         // the running maxima: m of the tile before from the other score warpgroup, this tile's published at once
         // (before P)
@@ -294,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
         return;
       }
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       KDTREE_TRACE_ITEM_START;
       KDTREE_DSTART(vt == 0, 4);
 
@@ -339,11 +417,14 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         // release: its score warpgroup writes P / alpha again (its tile after next)
         if (t + 2 < nt) mbar_arrive(&sm.p_empty[s]);
-        if (t + kStages < nt)   // the producer refills the buffer: tile t + 4
+        if (t + kStages < nt)   // the producer refills the buffer: tile t + kStages
           mbar_arrive(&sm.empty[b]);
         if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
+      if constexpr (Fp8) {   // a prefix item's values count v_scale times their e4m3 (skipped where it is 1)
+        if (cx.split < cx.rp.chunked) wg::rescale_o(o, prm.v_scale, prm.v_scale);
+      }
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
       // the ring's first 64 KB hold the rows on their way out (wg::store_o_rows_staged): every tile's S and
       // P V is done (the score side's last S before its P, which the value side consumed), no copy is in flight (none
@@ -365,28 +446,58 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     // (ids loaded one tile ahead wait behind that tile's cp.async: two ahead is 1.3-1.8% faster at P131072, H200)
     wg::set_max_regs<kProducerRegs, kLaunchRegs>();
     const int pt = tid - 512;   // 0..127
-    uint32_t empty_bits = 0u, q_parity = 0u;
+    uint32_t empty_bits = 0u, landed_bits = 0u;
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) return;
-      const ItemCtx cx = item_ctx<kBlockM, kTileN>(prm, item);
+      const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       const int nt = cx.ntiles;
       KDTREE_TRACE_ITEM_START;
+      if constexpr (Fp8) {
+        if (cx.split < cx.rp.chunked) {
+          // a prefix item: tile t staged in e4m3 (kStages8 ahead), then widened into ring buffer t % 2 once the value
+          // warpgroups are done with tile t - 2 there. The staging ring is not the output's stage: its first tiles
+          // go out before the previous item's rows have left the key ring.
+          auto slot_of = [&](int t) { return pt < kTileN ? wg::tile_key_slot(prm, cx, t, pt) : 0ll; };
+          long long slot = slot_of(0);
+#pragma unroll
+          for (int t = 0; t < kStages8; ++t) {
+            const long long next = slot_of(t + 1);
+            if (t < nt) stage_tile8(sm, prm, cx, t, pt, slot);
+            slot = next;   // (warp 0: tile t + 1's)
+          }
+          if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
+          for (int t = 0; t < nt; ++t) {
+            const int e = t % kStages8, b = t % kStages;
+            mbar_wait_buffer(sm.landed, landed_bits, e);
+            if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
+            widen_tile8(sm, e, &sm.kv[b][0], pt);
+            mbar_arrive(&sm.full[b]);   // (release: the score side's fence after its wait orders the tile for wgmma)
+            if (t + kStages8 < nt) {
+              bar_sync(kBarProducer, 128);   // every producer thread is done reading buffer e
+              stage_tile8(sm, prm, cx, t + kStages8, pt, slot);
+              slot = slot_of(t + kStages8 + 1);
+            }
+          }
+          sync_block_roles();   // as below
+          continue;
+        }
+      }
       long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
       // racecheck does not take a barrier between roles for a hand-off: an mbarrier it does)
       if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
-      // (q_full completes once per item: waited once per item, also when the item has no more than kQFirst tiles)
+      // (q_full completes once per item: parity k & 1, waited in every bf16 item, also when the item has no more than
+      // kQFirst tiles)
       const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
       for (int t = 0; t < n_issue; ++t) {
         if (warp == 16) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in
         wg::tile_slots<kProducerKeys>(prm, cx, t + 2, pt, ahead);
         if (kQFirst < kStages && t == kQFirst) {
           KDTREE_DSTART(pt == 0, 6);
-          mbar_wait(&sm.q_full, q_parity);
-          q_parity ^= 1u;
+          mbar_wait(&sm.q_full, k & 1);
         }
         const int b = t % kStages;
         if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts

@@ -94,7 +94,10 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
       return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages, kdtree::MmaWide, true>, kdtree::MmaWide::kThreads,
               sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
     case KDTREE_KERNEL_DUAL:
-      return {kdtree::dual::kdtree_verify_split_dual_kernel, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
+      return {kdtree::dual::kdtree_verify_split_dual_kernel<false>, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
+              kdtree::wg::kBlockM, kdtree::wg::kTileN};
+    case KDTREE_KERNEL_DUAL_FP8:
+      return {kdtree::dual::kdtree_verify_split_dual_kernel<true>, kdtree::dual::kThreads, kdtree::dual::kSmemBytesFp8,
               kdtree::wg::kBlockM, kdtree::wg::kTileN};
     case KDTREE_KERNEL_SKINNY:
       return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
@@ -130,7 +133,8 @@ struct DeviceInfo {
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
   int mma_stages;       // key stages of the mma.sync kernels here (3 where a block may take 227 KB, else 2)
-  int fp8_status;       // KDTREE_OK where the FP8 kernel fits a block on an SM here, else why not
+  int fp8_kernel;       // the kernel of calls over an e4m3 pool: DUAL_FP8 where the device's is DUAL, else MMA_FP8
+  int fp8_status;       // KDTREE_OK where that kernel fits a block on an SM here, else why not
   int scaled_status;    // the same for the scaled bf16 kernel
 };
 
@@ -204,12 +208,17 @@ DeviceInfo device_info(int dev, int* status) {
       }
       return b < 1 ? KDTREE_ERR_RESOURCES : KDTREE_OK;
     };
-    const int fp8_status = status_of(split_launch(KDTREE_KERNEL_MMA_FP8));
+    int fp8_kernel = kernel == KDTREE_KERNEL_DUAL ? KDTREE_KERNEL_DUAL_FP8 : KDTREE_KERNEL_MMA_FP8;
+    int fp8_status = status_of(split_launch(fp8_kernel));
+    if (fp8_status != KDTREE_OK && fp8_kernel == KDTREE_KERNEL_DUAL_FP8) {   // (the sm_120 code path serves it too)
+      fp8_kernel = KDTREE_KERNEL_MMA_FP8;
+      fp8_status = status_of(split_launch(fp8_kernel));
+    }
     const int scaled_status = status_of(split_launch(KDTREE_KERNEL_MMA_SCALED, mma_stages));
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows,
                            !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0"), mma_stages,
-                           fp8_status, scaled_status};
+                           fp8_kernel, fp8_status, scaled_status};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -224,9 +233,9 @@ DeviceInfo device_info(int dev, int* status) {
 // of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit). (A bound
 // of H x (T - B + 1) instead would move with the batch size: H8 N2 alone would run one kernel and in a batch of three
 // N2 requests the other.)
-// Calls over an e4m3 pool run the FP8 kernel, and scaled bf16 calls the scaled one, whatever their rows.
+// Calls over an e4m3 pool run the device's FP8 kernel, and scaled bf16 calls the scaled one, whatever their rows.
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads, int kv_dtype, bool kv_scaled) {
-  if (kv_dtype == KDTREE_KV_E4M3) return KDTREE_KERNEL_MMA_FP8;
+  if (kv_dtype == KDTREE_KV_E4M3) return dev.fp8_kernel;
   if (kv_scaled) return KDTREE_KERNEL_MMA_SCALED;
   if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
@@ -501,7 +510,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.split_target = split_target;
   const bool kv_scaled = p->k_scale != 1.f || p->v_scale != 1.f;
   const int call = call_kernel(dev, p->batch_size, p->num_tokens, p->num_heads, p->kv_dtype, kv_scaled);
-  if (call == KDTREE_KERNEL_MMA_FP8 && dev.fp8_status != KDTREE_OK) return dev.fp8_status;
+  if (p->kv_dtype == KDTREE_KV_E4M3 && dev.fp8_status != KDTREE_OK) return dev.fp8_status;
   if (call == KDTREE_KERNEL_MMA_SCALED && dev.scaled_status != KDTREE_OK) return dev.scaled_status;
   const SplitLaunch split = split_launch(call, dev.mma_stages);
   prm.block_m = split.block_m;
@@ -520,8 +529,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  prm.q_tma = dev.q_tma && call == KDTREE_KERNEL_DUAL && build_q_maps(prm, p);   // (only the dual kernel reads them)
-  prm.drafts_apart = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_MMA_SCALED;
+  const bool dual = call == KDTREE_KERNEL_DUAL || call == KDTREE_KERNEL_DUAL_FP8;
+  prm.q_tma = dev.q_tma && dual && build_q_maps(prm, p);   // (only the dual kernels read them)
+  prm.drafts_apart = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_MMA_SCALED || call == KDTREE_KERNEL_DUAL_FP8;
   prm.k_scale = p->k_scale;
   prm.v_scale = p->v_scale;
 
