@@ -98,14 +98,14 @@ __device__ __forceinline__ void issue_tile8(SharedStorageFp8& sm, const Params& 
   }
 }
 
-// The context of the block's current item (sm.item, stable until the item's last barrier) computed afresh: for the
+// The context of the block's current item (its index `item`) computed afresh: for the
 // epilogue, so that its fields need not stay live in registers across the item's loops (the sm_90 stand-in spilled).
 __device__ __forceinline__ ItemCtx item_ctx_again(const Params& prm, int item) {
   return item_ctx<kBlockM, kTileN, true>(prm, item);
 }
 
 // One prefix item of the FP8 pass (keys [k0, k1) all in the e4m3 pool), by every thread of the block; as mma_item.
-__device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params& prm, const ItemCtx& cx,
+__device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params& prm, const ItemCtx& cx, int item,
                                              uint32_t& phase_bits) {
   using Shape = MmaWide;
   constexpr int kStages = kStages8;
@@ -232,7 +232,7 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
     }
     // the partial log-sum-exp in true units: the sums are of 448 * 2^(s - m)
     const float m_true[2] = {m_run[0] - kLog2PMax, m_run[1] - kLog2PMax};
-    const ItemCtx ce = item_ctx_again(prm, sm.item);
+    const ItemCtx ce = item_ctx_again(prm, item);
     finish_rows(prm, ce, H, wrow, g, c, m_true, l_run, sm.row_m, sm.row_l, [] { bar_arrive(kBarBlock, kThreads); });
   } else {
     // =========================== value warps ===========================
@@ -276,7 +276,7 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
       }
     }
     bar_sync(kBarBlock, kThreads);   // row_l written by the score warps
-    const ItemCtx ce = item_ctx_again(prm, sm.item);
+    const ItemCtx ce = item_ctx_again(prm, item);
 #pragma unroll
     for (int rb = 0; rb < kRowBlocks; ++rb) {
 #pragma unroll
@@ -295,10 +295,8 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
       }
     }
   }
-  // (sm.item read before the closing barrier: thread 0 stores the next item's index right after it)
-  const int done_item = tid == kThreads - 1 ? sm.item : 0;
   __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
-  if (tid == kThreads - 1) signal_item_done(prm, item_ctx_again(prm, done_item));
+  if (tid == kThreads - 1) signal_item_done(prm, item_ctx_again(prm, item));
 }
 
 // The FP8 split-K kernel: prefix items in e4m3 (mma_item_fp8), draft items in bf16 (mma_item, 2 stages), one
@@ -326,7 +324,7 @@ __global__ void __launch_bounds__(MmaWide::kThreads, 1) kdtree_verify_split_fp8_
     if (item >= sm.total) return;
     const ItemCtx cx = item_ctx<kBlockM, kTileN, true>(prm, item);
     if (cx.split < cx.rp.chunked)
-      mma_item_fp8(sm, prm, cx, phase_bits);
+      mma_item_fp8(sm, prm, cx, item, phase_bits);
     else
       mma_item<2, MmaWide>(sm, prm, cx, prm.scale_log2, 1.f, phase_bits, pair_bits, item, 0);
   }
