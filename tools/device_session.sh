@@ -10,7 +10,8 @@
 #   kernel beside it; layer: benchmarks/bench_sglang_layer.py; sm120path: the mma.sync 2-stage code path again;
 #   fp8: the same shapes on an e4m3 pool, bench_e4m3.json; fp8 with sm120path: the e4m3 pool on the sm_120 code path
 #   too, bench_e4m3_2stage.json)
-# - fp8 without bench: the kernel tests on an e4m3 pool (KDTREE_TEST_KV=e4m3); with sanitize, the FP8 kernel's cases
+# - fp8 without bench: the kernel tests on an e4m3 pool (KDTREE_TEST_KV=e4m3), on the device's FP8 kernel and on the
+#   sm_120 one (KDTREE_SPLIT_STAGES=2); with sanitize, the FP8 kernel's cases
 # - mmatests: the kernel tests on the non-default split kernels (mma.sync 2 / 3 stages, the skinny kernel for every
 #   call, the dual kernel for small calls)
 # - ncu / ncusrc: Nsight Compute of one call's kernels / per-instruction stall samples of the split kernel
@@ -64,8 +65,10 @@ if has bench; then
   fi
 fi
 if has fp8 && ! has bench; then
-  log "kernel tests on an e4m3 pool (the FP8 kernel)"
+  log "kernel tests on an e4m3 pool (the device's FP8 kernel: the dual kernel's FP8 form on sm_90a)"
   KDTREE_TEST_KV=e4m3 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -3
+  log "kernel tests on an e4m3 pool, KDTREE_SPLIT_STAGES=2 (the sm_120 FP8 kernel, its stand-in MMA here)"
+  KDTREE_SPLIT_STAGES=2 KDTREE_TEST_KV=e4m3 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_fp8_gpu.py 2>&1 | tail -3
 fi
 if has mmatests; then   # the kernel tests on the other code paths (mma.sync: the sm_120 one and the 3-stage one)
   log "kernel tests, KDTREE_SPLIT_STAGES=2 (the sm_120 pipeline)"
