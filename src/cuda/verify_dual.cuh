@@ -146,18 +146,8 @@ __device__ __forceinline__ void stage_tile8(SmemFp8& sm, const Params& prm, cons
   if (pt == 0) mbar_arrive_expect_tx(&sm.landed[e], kTileN * kDimQK);
   if (pt < kTileN) {
     fence_proxy_async();   // the producer's reads of this buffer (generic proxy) before the async writes
-    const int key = cx.k0 + t * kTileN + pt;
-    const void* src = key < cx.k1 ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(prm.kv) + slot * prm.kv_ss)
-                                  : static_cast<const void*>(prm.zero_row);
-    bulk_copy_g2s(&sm.kv8[e][pt * kPitch8], src, kDimQK, &sm.landed[e]);
+    bulk_copy_g2s(&sm.kv8[e][pt * kPitch8], key_ptr8(prm, cx, cx.k0 + t * kTileN + pt, slot), kDimQK, &sm.landed[e]);
   }
-}
-// Four e4m3 (a 32-bit word) to four bf16 (two words), exactly: e4m3 -> f16 (cvt) -> f32, whose upper halves are the
-// bf16 values (an e4m3 value has 4 significant bits: no rounding), taken by one byte permute a pair.
-__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
-  const float2 lo = f16x2_to_float2(e4m3x2_to_f16x2(w)), hi = f16x2_to_float2(e4m3x2_to_f16x2(w >> 16));
-  return make_uint2(__byte_perm(__float_as_uint(lo.x), __float_as_uint(lo.y), 0x7632),
-                    __byte_perm(__float_as_uint(hi.x), __float_as_uint(hi.y), 0x7632));
 }
 // FP8: the staged e4m3 tile in buffer e widened to bf16 into ring buffer `kv`, in the ring's 128-byte swizzled layout,
 // once wait_buffer() has returned (the buffer's last tile done with). Producer thread pt: key 8 (pt / 32) + pt % 8, its

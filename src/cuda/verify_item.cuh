@@ -72,6 +72,13 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
   return prm.k_new + (long long)(c.rp.qo_begin + key - c.rp.p) * prm.k_new_st;
 }
 
+// The e4m3 pool row (576 bytes) of prefix key `key` of an item of an e4m3 call (slot: its pool slot id), or the
+// zero row past the split end.
+__device__ __forceinline__ const void* key_ptr8(const Params& prm, const ItemCtx& c, int key, long long slot) {
+  return key < c.k1 ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(prm.kv) + slot * prm.kv_ss)
+                    : static_cast<const void*>(prm.zero_row);
+}
+
 // Is request-local key `key` (keys >= p are drafts) visible to verify token n (-1: a padding row)?
 // Prefix keys inside the split are; drafts follow the tree mask (or the causal chain without one);
 // padding rows see none.

@@ -91,10 +91,7 @@ __device__ __forceinline__ void issue_tile8(SharedStorageFp8& sm, const Params& 
   if (lane < kKeysPerWarp) {
     fence_proxy_async();   // earlier generic-proxy accesses of this buffer ordered before the async writes
     const int k = vw * kKeysPerWarp + lane;
-    const void* src = cx.k0 + t * kTileN + k < cx.k1
-                          ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(prm.kv) + slot * prm.kv_ss)
-                          : static_cast<const void*>(prm.zero_row);
-    bulk_copy_g2s(&sm.kv8[b][k][0], src, kKeyBytes8, &sm.full[b]);
+    bulk_copy_g2s(&sm.kv8[b][k][0], key_ptr8(prm, cx, cx.k0 + t * kTileN + k, slot), kKeyBytes8, &sm.full[b]);
   }
 }
 

@@ -123,6 +123,13 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
   asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
   return r;
 }
+// Four e4m3 (a 32-bit word) to four bf16 (two words), exactly: e4m3 -> f16 (cvt) -> f32, whose upper halves are the
+// bf16 values (an e4m3 value has 4 significant bits: no rounding), taken by one byte permute a pair.
+__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
+  const float2 lo = f16x2_to_float2(e4m3x2_to_f16x2(w)), hi = f16x2_to_float2(e4m3x2_to_f16x2(w >> 16));
+  return make_uint2(__byte_perm(__float_as_uint(lo.x), __float_as_uint(lo.y), 0x7632),
+                    __byte_perm(__float_as_uint(hi.x), __float_as_uint(hi.y), 0x7632));
+}
 // ---- mbarrier + bulk copy (sm_90+, also sm_120): the gather of whole 1152-byte key rows ----
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
