@@ -110,7 +110,7 @@ struct SmemRing {
 // the layout the bf16 tiles have there; everything downstream of the ring is the bf16 kernel's. The drafts (bf16, from
 // k_new) have items of their own (Params::drafts_apart) and take the bf16 copies into the ring. The staging ring and
 // the two bf16 buffers fill the bytes of the bf16 kernel's four. What that costs (H100, H16 N9 P131072, one run): the
-// bf16 kernel with two buffers instead of four takes 147 us against 117; this kernel 214, and 163 with the widening
+// bf16 kernel with two buffers instead of four takes 147 us against 117; this kernel 199, and 163 with the widening
 // knocked out: the widen sits on the two-buffer chain (a buffer is refilled only after both P V of its last tile).
 constexpr int kStages8 = 3;
 constexpr int kPitch8 = kDimQK + 16;   // 592 B a staged row: 8 rows at one offset fall in distinct 16-byte bank groups
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
         scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c,
-                                Fp8 && cx.split < cx.rp.chunked ? prm.scale_log2 * prm.k_scale : prm.scale_log2, sc,
+                                Fp8 && !drafts_split(cx) ? prm.scale_log2 * prm.k_scale : prm.scale_log2, sc,
                                 tmax);
         if ((warp & 3) == 0) KDTREE_DTRACE(9);   // the tile's own row maxima
         // the running maxima: m of the tile before from the other score warpgroup, this tile's published at once
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
       if constexpr (Fp8) {   // a prefix item's values count v_scale times their e4m3 (skipped where it is 1)
-        if (cx.split < cx.rp.chunked) wg::rescale_o(o, prm.v_scale, prm.v_scale);
+        if (!drafts_split(cx)) wg::rescale_o(o, prm.v_scale, prm.v_scale);
       }
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
       // the ring's first 64 KB hold the rows on their way out (wg::store_o_rows_staged): every tile's S and
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       const int nt = cx.ntiles;
       KDTREE_TRACE_ITEM_START;
       if constexpr (Fp8) {
-        if (cx.split < cx.rp.chunked) {
+        if (!drafts_split(cx)) {
           // a prefix item: tile t staged in e4m3 (kStages8 ahead), then widened into ring buffer t % 2 once the value
           // warpgroups are done with tile t - 2 there. The staging ring is not the output's stage: its first tiles
           // go out before the previous item's rows have left the key ring.
@@ -495,8 +495,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
       // racecheck does not take a barrier between roles for a hand-off: an mbarrier it does)
       if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
-      // (q_full completes once per item: parity k & 1, waited in every bf16 item, also when the item has no more than
-      // kQFirst tiles)
+      // (q_full completes once per item: parity k & 1; the bf16 kernel waits for it in every item, also when the item
+      // has no more than kQFirst tiles, the FP8 form, whose ring is no longer than kQFirst, never)
       const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
       for (int t = 0; t < n_issue; ++t) {
         if (warp == 16) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in

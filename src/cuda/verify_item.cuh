@@ -19,6 +19,10 @@ struct ItemCtx {
   int ntiles;
 };
 
+// In a call whose drafts stand apart (Params::drafts_apart): whether item cx is the drafts' split (bf16 keys from
+// k_new, unscaled) rather than one of the prefix splits (pool keys, scaled by k_scale / v_scale).
+__device__ __forceinline__ bool drafts_split(const ItemCtx& cx) { return cx.split >= cx.rp.chunked; }
+
 // The work item `item` of the plan: its request, split, row tile and key range, for row tiles of BlockM rows and key
 // tiles of TileN keys (the split kernel's own sizes, as the plan used them). A kernel that serves calls whose drafts
 // stand apart (Params::drafts_apart) passes DraftsApart: a split past the chunked ones is the drafts' [p, p + n).
@@ -31,7 +35,7 @@ __device__ __forceinline__ ItemCtx item_ctx(const Params& prm, int item) {
   cx.mtile = local - cx.split * cx.rp.mtiles;
   cx.row0 = cx.mtile * BlockM;
   cx.rows = min(BlockM, cx.rp.n * prm.heads - cx.row0);
-  if (DraftsApart && cx.split >= cx.rp.chunked) {
+  if (DraftsApart && drafts_split(cx)) {
     cx.k0 = cx.rp.p;
     cx.k1 = cx.rp.p + cx.rp.n;
   } else {

@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) kdtree_verify_split_kernel
     const int item = sm.item;
     if (item >= total) return;
     const ItemCtx cx = item_ctx<kBlockM, kTileN, DraftsApart>(prm, item);
-    const bool scaled = DraftsApart && cx.split < cx.rp.chunked;   // a prefix item of a scaled call
+    const bool scaled = DraftsApart && !drafts_split(cx);   // a prefix item of a scaled call
     mma_item<Stages, Shape>(sm, prm, cx, scaled ? prm.scale_log2 * prm.k_scale : prm.scale_log2,
                             scaled ? prm.v_scale : 1.f, phase_bits, pair_bits, item, t_fetch);
   }

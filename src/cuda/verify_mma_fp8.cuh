@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(MmaWide::kThreads, 1) kdtree_verify_split_fp8_
     const int item = sm.item;
     if (item >= sm.total) return;
     const ItemCtx cx = item_ctx<kBlockM, kTileN, true>(prm, item);
-    if (cx.split < cx.rp.chunked)
+    if (!drafts_split(cx))
       mma_item_fp8(sm, prm, cx, item, phase_bits);
     else
       mma_item<2, MmaWide>(sm, prm, cx, prm.scale_log2, 1.f, phase_bits, pair_bits, item, 0);
