@@ -75,6 +75,137 @@ static_assert(kSlabBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (kSlabs * kQS
 using km::col_of;   // the accumulator mapping of kernels with the keys as the wgmma M (verify_wgmma.cuh)
 using km::col_q;
 
+// The online-softmax step of one key tile of a kernel with the keys as the wgmma M, by the consumer warpgroup: the
+// thread's S^T values s (keys key_base + 16 warp + g + 8 row_half(i), columns col_of(c, col_q(i))) scaled to log2
+// units (scale: a factor per column), masked (a tile of prefix keys inside the split needs no mask; `live` false: the
+// warp's keys are not in the tile, all masked), the column maxima met over the 4 warps in `red`, P = 2^(s - m) handed
+// to sink(pv) (which stores P^T for the next product and may round pv to the values it stored), the column sums
+// advanced by pv; alpha rescales what O^T holds. Ends with P^T fenced for the async proxy behind a consumer barrier.
+template <class Sink>
+__device__ __forceinline__ void column_softmax(const Params& prm, const ItemCtx& cx, int key_base, const int (&rn)[4],
+                                               const float (&scale)[4], bool live, float (&s)[8], float (&m_run)[4],
+                                               float (&l_part)[4], float (&alpha)[4], float (&red)[4][kRows],
+                                               int warp, int g, int c, Sink sink) {
+  const bool plain = key_base + kTileN <= cx.k1 && key_base + kTileN <= cx.rp.p;
+  const int key0 = key_base + warp * 16 + g;
+  float cm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int q = col_q(i);
+    s[i] = live && (plain || key_visible_n(prm, cx, key0 + 8 * ((i >> 1) & 1), rn[q])) ? s[i] * scale[q] : -INFINITY;
+    cm[q] = fmaxf(cm[q], s[i]);
+  }
+  km::reduce_over_key_rows(cm, km::fmax_op);
+  if (g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) red[warp][col_of(c, q)] = cm[q];
+  }
+  bar_sync(kBarConsumer, kConsumerThreads);   // (the reads below end before this tile's P barrier, which every
+                                              // thread passes before it writes red again)
+  float m_use[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int col = col_of(c, q);
+    const float tmax = fmaxf(fmaxf(red[0][col], red[1][col]), fmaxf(red[2][col], red[3][col]));
+    const float m_new = fmaxf(m_run[q], tmax);
+    m_use[q] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[q] = fast_exp2(m_run[q] - m_use[q]);
+    m_run[q] = m_new;
+  }
+  // P^T into shared memory (the previous tile's O^T product is complete: every thread waited for it before the
+  // barrier above), the column sums advanced
+  float pv[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) pv[i] = fast_exp2(s[i] - m_use[col_q(i)]);
+  sink(pv);
+  float ps[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ps[col_q(i)] += pv[i];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) l_part[q] = l_part[q] * alpha[q] + ps[q];
+  fence_proxy_async();   // P^T is read next by wgmma (the async proxy)
+  bar_sync(kBarConsumer, kConsumerThreads);
+}
+
+// A column_softmax sink: P^T as bf16 into `p` ([row][64 keys], 128-byte swizzle: the B operand of O^T, K-major).
+struct PtBf16 {
+  unsigned char* p;
+  int warp, g, c;
+  __device__ __forceinline__ void operator()(float (&pv)[8]) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      *reinterpret_cast<__nv_bfloat16*>(&p[km::pt_offset(col_of(c, col_q(i)), warp * 16 + g + 8 * km::row_half(i))]) =
+          __float2bfloat16(pv[i]);
+  }
+};
+
+// O^T *= alpha of each column, skipped when the whole warp's factors are 1.
+__device__ __forceinline__ void rescale_o_t(float (&o)[kVBlocks][8], const float (&alpha)[4]) {
+  if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f && alpha[2] == 1.f && alpha[3] == 1.f)) {
+#pragma unroll
+    for (int mb = 0; mb < kVBlocks; ++mb)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[mb][i] *= alpha[col_q(i)];
+  }
+}
+
+// End of an item, by the consumer warpgroup: the column sums met over the warpgroup (lred), O^T * out_scale / l staged
+// as the item's bf16 rows (dim_of(mb, warp, g, h): the value dim of the thread's accumulator row 16 warp + g + 8 h of
+// value block mb), then stored 16 B a thread; the row statistics for the partial log-sum-exps of a split request.
+// (stage, lred and the row statistics are written again only after the next item's barriers.)
+template <class DimOf>
+__device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx, int H, const float (&o)[kVBlocks][8],
+                                           const float (&m_run)[4], float (&l_part)[4], float out_scale,
+                                           float (&lred)[4][kRows], float* row_m, float* row_l,
+                                           __nv_bfloat16* stage, int tid, DimOf dim_of) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  km::reduce_over_key_rows(l_part, km::add_op);
+  if (g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) lred[warp][col_of(c, q)] = l_part[q];
+  }
+  bar_sync(kBarConsumer, kConsumerThreads);
+  float inv[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int col = col_of(c, q);
+    const float l = (lred[0][col] + lred[1][col]) + (lred[2][col] + lred[3][col]);
+    inv[q] = l > 0.f ? out_scale / l : 0.f;
+    if (warp == 0 && g == 0) {
+      row_m[col] = m_run[q];
+      row_l[col] = l;
+    }
+  }
+#pragma unroll
+  for (int mb = 0; mb < kVBlocks; ++mb)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      stage[col_of(c, col_q(i)) * kDimNope + dim_of(mb, warp, g, km::row_half(i))] =
+          __float2bfloat16(o[mb][i] * inv[col_q(i)]);
+  bar_sync(kBarConsumer, kConsumerThreads);
+  for (int idx = tid; idx < cx.rows * (kDimNope / 8); idx += kConsumerThreads) {
+    const int r = idx / (kDimNope / 8), ch = idx - r * (kDimNope / 8);
+    *reinterpret_cast<uint4*>(result_row(prm, cx, r) + ch * 8) = *reinterpret_cast<const uint4*>(&stage[r * kDimNope + ch * 8]);
+  }
+  if (cx.rp.nsplit > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, row_m[tid], row_l[tid]);
+}
+
+// The mbarriers of a kernel of this shape (the skinny kernels), by one thread before a block barrier: each key stage's
+// full (full_arrivals: the producer's) and empty (the consumer's arrivals), the item hand-off's full and empty.
+template <class SmemT>
+__device__ __forceinline__ void init_barriers(SmemT& sm, int full_arrivals) {
+  constexpr int kRing = sizeof(sm.full) / sizeof(sm.full[0]);
+  for (int b = 0; b < kRing; ++b) {
+    mbar_init(&sm.full[b], full_arrivals);
+    mbar_init(&sm.empty[b], kConsumerThreads);
+  }
+  for (int i = 0; i < 2; ++i) {
+    mbar_init(&sm.item_full[i], 1);
+    mbar_init(&sm.item_empty[i], kThreads);
+  }
+  fence_proxy_async();
+}
+
 __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -90,17 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
   const int total = prm.counter[1];
   const int H = prm.heads;
 
-  if (tid == 0) {
-    for (int b = 0; b < kStages; ++b) {
-      mbar_init(&sm.full[b], kProducerThreads);
-      mbar_init(&sm.empty[b], kConsumerThreads);
-    }
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(&sm.item_full[i], 1);
-      mbar_init(&sm.item_empty[i], kThreads);
-    }
-    fence_proxy_async();
-  }
+  if (tid == 0) init_barriers(sm, kProducerThreads);
   __syncthreads();
 
   // The block's k-th work item: the producer's first thread claims it (the producer runs up to one item ahead of
@@ -136,6 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       int rn[4];   // verify token of each of the thread's four columns (-1: a padding row)
 #pragma unroll
       for (int q = 0; q < 4; ++q) rn[q] = row_token(cx, col_of(c, q), H);
+      const float scale[4] = {prm.scale_log2, prm.scale_log2, prm.scale_log2, prm.scale_log2};
       float m_run[4], l_part[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
@@ -149,8 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         for (int i = 0; i < 8; ++i) o[mb][i] = 0.f;
 
       for (int t = 0; t < cx.ntiles; ++t) {
-        ItemCtx tcx = cx;   // the tile's keys: [k0 + 64 t, k1)
-        tcx.k0 = cx.k0 + t * kTileN;
+        const int key_base = cx.k0 + t * kTileN;   // the tile's keys: [key_base, min(key_base + 64, k1))
         const int b = seq % kStages;
         mbar_wait(&sm.full[b], (seq / kStages) & 1);   // every producer thread's copies landed
         KDTREE_SKSTART(k == 0 && tid == 0 && t == 0, 3);
@@ -159,97 +280,20 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
         float s[8];
         km::scores_t<kRows, kSlabBytes, kQSlabBytes>(s, kv, qd);
         KDTREE_SKSTART(k == 0 && tid == 0 && t == 0, 4);
-        // scale to log2 units, mask (a tile of prefix keys inside the split needs none), column maxima
-        const int key_base = tcx.k0;
-        const bool plain = key_base + kTileN <= tcx.k1 && key_base + kTileN <= cx.rp.p;
-        const int key0 = key_base + warp * 16 + g;
-        float cm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int q = col_q(i);
-          s[i] = (plain || key_visible_n(prm, tcx, key0 + 8 * ((i >> 1) & 1), rn[q]))
-                     ? s[i] * prm.scale_log2
-                     : -INFINITY;
-          cm[q] = fmaxf(cm[q], s[i]);
-        }
-        km::reduce_over_key_rows(cm, km::fmax_op);
-        if (g == 0) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) sm.red[warp][col_of(c, q)] = cm[q];
-        }
-        bar_sync(kBarConsumer, kConsumerThreads);   // (the reads below end before this tile's P barrier, which
-                                                    // every thread passes before it writes red again)
-        float m_use[4], alpha[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int col = col_of(c, q);
-          const float tmax = fmaxf(fmaxf(sm.red[0][col], sm.red[1][col]), fmaxf(sm.red[2][col], sm.red[3][col]));
-          const float m_new = fmaxf(m_run[q], tmax);
-          m_use[q] = m_new == -INFINITY ? 0.f : m_new;
-          alpha[q] = fast_exp2(m_run[q] - m_use[q]);
-          m_run[q] = m_new;
-        }
-        // P^T into shared memory (the previous tile's O^T product is complete: every thread waited for it before
-        // the barrier above), the column sums advanced
-        float ps[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int q = col_q(i);
-          const float pv = fast_exp2(s[i] - m_use[q]);
-          ps[q] += pv;
-          *reinterpret_cast<__nv_bfloat16*>(&sm.p[km::pt_offset(col_of(c, q), warp * 16 + g + 8 * km::row_half(i))]) =
-              __float2bfloat16(pv);
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) l_part[q] = l_part[q] * alpha[q] + ps[q];
-        fence_proxy_async();   // P^T is read next by wgmma (the async proxy)
-        bar_sync(kBarConsumer, kConsumerThreads);
-        if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f && alpha[2] == 1.f && alpha[3] == 1.f)) {
-#pragma unroll
-          for (int mb = 0; mb < kVBlocks; ++mb)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o[mb][i] *= alpha[col_q(i)];
-        }
+        float alpha[4];
+        column_softmax(prm, cx, key_base, rn, scale, true, s, m_run, l_part, alpha, sm.red, warp, g, c,
+                       PtBf16{sm.p, warp, g, c});
+        rescale_o_t(o, alpha);
         km::values_t<kRows, kVBlocks, kSlabBytes, kPvSteps>(o, kv, pd);
         mbar_arrive(&sm.empty[b]);   // release: the producer refills the buffer
         ++seq;
       }
 
       // end of the item: the column sums over the warpgroup, O^T / l staged as the item's bf16 rows, then stored
-      km::reduce_over_key_rows(l_part, km::add_op);
-      if (g == 0) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) sm.lred[warp][col_of(c, q)] = l_part[q];
-      }
-      bar_sync(kBarConsumer, kConsumerThreads);
-      float inv[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int col = col_of(c, q);
-        const float l = (sm.lred[0][col] + sm.lred[1][col]) + (sm.lred[2][col] + sm.lred[3][col]);
-        inv[q] = l > 0.f ? 1.f / l : 0.f;
-        if (warp == 0 && g == 0) {
-          sm.row_m[col] = m_run[q];
-          sm.row_l[col] = l;
-        }
-      }
-#pragma unroll
-      for (int mb = 0; mb < kVBlocks; ++mb)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int dim = mb * kSlabDims + warp * 16 + g + 8 * ((i >> 1) & 1);
-          sm.stage[col_of(c, col_q(i)) * kDimNope + dim] = __float2bfloat16(o[mb][i] * inv[col_q(i)]);
-        }
-      bar_sync(kBarConsumer, kConsumerThreads);
-      for (int idx = tid; idx < cx.rows * (kDimNope / 8); idx += kConsumerThreads) {
-        const int r = idx / (kDimNope / 8), ch = idx - r * (kDimNope / 8);
-        *reinterpret_cast<uint4*>(result_row(prm, cx, r) + ch * 8) =
-            *reinterpret_cast<const uint4*>(&sm.stage[r * kDimNope + ch * 8]);
-      }
-      if (cx.rp.nsplit > 1 && tid < cx.rows) write_partial_lse(prm, cx, H, tid, sm.row_m[tid], sm.row_l[tid]);
+      store_item(prm, cx, H, o, m_run, l_part, 1.f, sm.lred, sm.row_m, sm.row_l, sm.stage, tid,
+                 [](int mb, int w, int g, int h) { return mb * kSlabDims + w * 16 + g + 8 * h; });
       KDTREE_SKSTART(k == 0 && tid == 0, 5);
       KDTREE_SKTRACE_ITEM(k == 0 && tid == 0, item, cx.ntiles);
-      // (stage, lred and the row statistics are written again only after the next item's barriers)
     }
   } else {
     // =========================== producer warpgroup ===========================
