@@ -182,3 +182,46 @@ def test_validate_fp8_bound_holds_sglang_numerics_and_catches_a_wrong_row(sg_pat
         m = sg_patch.stats()["last_mismatch"]
         assert m is not None and m["mismatched_rows"] == 1 and m["worst_index"][:2] == (3, 5), (prefixes, m)
     assert max(elementwise) > 1, elementwise
+
+
+def test_skinny_fp8_value_fragments_follow_the_p_order(tmp_path):
+    """The skinny FP8 kernel's O^T = V^T P^T (verify_skinny_fp8.cuh, values_e4m3) builds its e4m3 A fragments from
+    ldmatrix.trans (b16) of the staged key rows and two byte permutes, and stores P^T in the k order those fragments
+    have (p8_offset). A model of ldmatrix.trans and of the A fragment of wgmma m64nNk32 (byte b of register j of thread
+    (g, c): row g + 8 (j & 1), k 16 (j >> 1) + 4c + b), with the permute selectors read from the source and p8_offset
+    compiled from it, must give every (row, k) of every thread one value dim (2g + (j & 1), as the kernel stores its
+    rows) and the key whose P p8_offset puts at that k."""
+    text = (ROOT / "src" / "cuda" / "verify_skinny_fp8.cuh").read_text()
+    body = text[text.index("void values_e4m3("):text.index("struct PtE4m3")]
+    sels = re.findall(r"a\[v\]\[2 \* h( \+ 1)?\] = __byte_perm\(m\[2 \* h\], m\[2 \* h \+ 1\], (0x[0-9a-fA-F]+)\)", body)
+    sel = {bool(odd): int(value, 16) for odd, value in sels}
+    assert set(sel) == {False, True}, sels
+    src = tmp_path / "p8.cu"
+    src.write_text('#include <cstdio>\n#include "verify_skinny_fp8.cuh"\nint main() {\n'
+                   '  for (int key = 0; key < 64; ++key) printf("%d\\n", kdtree::sk8::p8_offset(0, key));\n}\n')
+    exe = tmp_path / "p8"
+    out = subprocess.run([_host_compiler(), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
+                          f"-I{ROOT / 'src' / 'cuda'}", str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pos = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    assert sorted(pos) == list(range(64)), "p8_offset (row 0) is not a permutation of a tile's 64 keys"
+
+    def trans_word(i, g, c):   # ldmatrix.trans (b16) of matrix i (keys 8i .. 8i + 7, 16 bytes of dims): (key, dim) bytes
+        return [(8 * i + 2 * c, 2 * g), (8 * i + 2 * c, 2 * g + 1), (8 * i + 2 * c + 1, 2 * g), (8 * i + 2 * c + 1, 2 * g + 1)]
+
+    def byte_perm(x, y, s):
+        src_bytes = x + y
+        return [src_bytes[(s >> (4 * n)) & 7] for n in range(4)]
+
+    for ss in range(2):   # the two k32 steps of a tile
+        for g in range(8):
+            for c in range(4):
+                m = [[(key + 32 * ss, dim) for key, dim in trans_word(i, g, c)] for i in range(4)]
+                regs = []
+                for h in range(2):
+                    regs += [byte_perm(m[2 * h], m[2 * h + 1], sel[False]), byte_perm(m[2 * h], m[2 * h + 1], sel[True])]
+                for j, word in enumerate(regs):
+                    for b, (key, dim) in enumerate(word):
+                        k = 16 * (j >> 1) + 4 * c + b
+                        assert dim == 2 * g + (j & 1), (ss, g, c, j, b)
+                        assert pos[key] == 32 * ss + k, (ss, g, c, j, b, key)

@@ -3,6 +3,8 @@ runs through tests/test_kernel_gpu.py: which kernel a call runs, KV scales, larg
 SGLang's fp8 numerics (the model of tests/fp8_model.py) on the same inputs.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -30,24 +32,36 @@ def _run(args, **kw):
     return out
 
 
+FP8_KERNELS = ("mma.sync-fp8", "mma.sync-scaled", "wgmma-dual-fp8", "wgmma-skinny-fp8")
+
+
 def test_calls_run_the_fp8_and_scaled_kernels():
     ext = _ext.load()
-    # e4m3: the dual kernel's FP8 form where the device runs the dual kernel (sm_90a), else the sm_120 code path
-    fp8 = "wgmma-dual-fp8" if ext.split_kernel() == "wgmma-dual" else "mma.sync-fp8"
-    for b, t, h in [(1, 9, 16), (1, 1, 16), (4, 36, 16), (2, 3, 128)]:
-        assert ext.split_kernel(b, t, h, ext.KV_E4M3) == fp8
-        assert ext.split_kernel(b, t, h, ext.KV_E4M3, True) == fp8
+    # e4m3: the dual kernel's FP8 form where the device runs the dual kernel (sm_90a), the skinny kernel's where it
+    # runs that, else the sm_120 code path; calls of <= 16 rows per request take the skinny FP8 kernel beside the dual
+    device = ext.split_kernel()
+    fp8 = {"wgmma-dual": "wgmma-dual-fp8", "wgmma-skinny": "wgmma-skinny-fp8"}.get(device, "mma.sync-fp8")
+    small = "wgmma-skinny-fp8" if device == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0" else fp8
+    for (b, t, h), want in [((1, 9, 16), fp8), ((4, 36, 16), fp8), ((2, 3, 128), fp8), ((3, 5, 4), fp8),
+                            ((1, 1, 16), small), ((1, 2, 8), small), ((3, 6, 8), small), ((5, 45, 1), small)]:
+        assert ext.split_kernel(b, t, h, ext.KV_E4M3) == want, (b, t, h)
+        assert ext.split_kernel(b, t, h, ext.KV_E4M3, True) == want, (b, t, h)
         assert ext.split_kernel(b, t, h, ext.KV_BF16, True) == "mma.sync-scaled"
-        assert ext.split_kernel(b, t, h, ext.KV_BF16) not in ("mma.sync-fp8", "mma.sync-scaled", "wgmma-dual-fp8")
+        assert ext.split_kernel(b, t, h, ext.KV_BF16) not in FP8_KERNELS
+
+
+# (H, N): 144 rows a request (the dual kernel's FP8 form on sm_90a), 16 and 8 (its skinny FP8 kernel)
+SHAPES = [(16, 9), (16, 1), (4, 2)]
 
 
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.37, 2.5), (4.0, 0.125)])
 @pytest.mark.parametrize("prefixes", [[0], [1], [700], [5000, 33, 0, 2100]])
-def test_kv_scales(kv, k_scale, v_scale, prefixes):
+@pytest.mark.parametrize("heads, n", SHAPES)
+def test_kv_scales(kv, k_scale, v_scale, prefixes, heads, n):
     dtype = E4M3 if kv == "e4m3" else torch.bfloat16
-    batch = make_verify_batch(prefixes, 16, 9, kind="tree", pad=1, device="cuda", seed=len(prefixes) * 7 + prefixes[0],
-                              kv_dtype=dtype)
+    batch = make_verify_batch(prefixes, heads, n, kind="tree", pad=1 if n > 1 else 0, device="cuda",
+                              seed=len(prefixes) * 7 + prefixes[0] + n, kv_dtype=dtype)
     args = batch.verify_args()
     out = _run(args, k_scale=k_scale, v_scale=v_scale)
     ref = verify_attention_reference(**args, k_scale=k_scale, v_scale=v_scale)
@@ -59,9 +73,11 @@ def test_kv_scales(kv, k_scale, v_scale, prefixes):
 
 
 @pytest.mark.parametrize("qscale", [1e-3, 1.0, 30.0, 1e3])
-def test_large_and_small_queries_stay_finite_and_accurate(qscale):
+@pytest.mark.parametrize("heads, n", SHAPES)
+def test_large_and_small_queries_stay_finite_and_accurate(qscale, heads, n):
     # |q| up to ~4e3 (N(0, 1) x 1e3): SGLang's unscaled e4m3 cast of q saturates there; the row-scaled split does not
-    batch = make_verify_batch([3000, 17], 16, 9, kind="tree", device="cuda", seed=int(qscale * 10) + 1, kv_dtype=E4M3)
+    batch = make_verify_batch([3000, 17], heads, n, kind="tree", device="cuda", seed=int(qscale * 10) + 1 + n,
+                              kv_dtype=E4M3)
     batch.q = (batch.q.float() * qscale).to(torch.bfloat16)
     args = batch.verify_args()
     out = _run(args)
@@ -71,7 +87,7 @@ def test_large_and_small_queries_stay_finite_and_accurate(qscale):
 
 @pytest.mark.parametrize("prefixes, heads, n, qscale", [
     ([64], 16, 9, 1.0), ([1000], 16, 9, 1.0), ([4000], 16, 9, 1.0), ([2000, 300], 8, 9, 1.0), ([1000], 16, 33, 1.0),
-    ([1000], 16, 9, 30.0),
+    ([1000], 16, 9, 30.0), ([4000], 16, 1, 1.0), ([2000, 300], 8, 2, 1.0), ([1000], 16, 1, 30.0),
 ])
 def test_more_accurate_than_sglang_fp8(prefixes, heads, n, qscale):
     """The kernel's error against the float64 reference on the dequantised pool does not exceed SGLang's (its fp8
@@ -89,19 +105,20 @@ def test_more_accurate_than_sglang_fp8(prefixes, heads, n, qscale):
     assert mine <= theirs, f"kdtree {mine:.3e} > SGLang's fp8 numerics {theirs:.3e}"
 
 
-def test_fp8_graph_replay_and_batch_invariance():
+@pytest.mark.parametrize("heads, n", SHAPES)
+def test_fp8_graph_replay_and_batch_invariance(heads, n):
     # one request alone and inside a batch of requests with its token count: bit for bit (batch invariance); and the
     # same call replayed from a CUDA graph on fresh inputs of the same shapes
-    solo = make_verify_batch([2500], 16, 9, kind="tree", device="cuda", seed=41, kv_dtype=E4M3)
-    big = make_verify_batch([700, 2500, 90], 16, 9, kind="tree", device="cuda", seed=42, kv_dtype=E4M3)
+    solo = make_verify_batch([2500], heads, n, kind="tree", device="cuda", seed=41, kv_dtype=E4M3)
+    big = make_verify_batch([700, 2500, 90], heads, n, kind="tree", device="cuda", seed=42, kv_dtype=E4M3)
     lo, hi = 700, 700 + 2500
     big.kv_buffer[big.kv_indices[lo:hi]] = solo.kv_buffer[solo.kv_indices]
-    big.q[9:18] = solo.q
-    big.k[9:18] = solo.k
+    big.q[n:2 * n] = solo.q
+    big.k[n:2 * n] = solo.k
     big.custom_mask[big.mask_indptr[1]:big.mask_indptr[2]] = solo.custom_mask
     a_solo, a_big = solo.verify_args(), big.verify_args()
     o_solo, o_big = _run(a_solo), _run(a_big)
-    assert torch.equal(o_solo, o_big[9:18])
+    assert torch.equal(o_solo, o_big[n:2 * n])
 
     ws = kdtree.Workspace()
     out = torch.empty_like(o_big)

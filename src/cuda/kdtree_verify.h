@@ -161,8 +161,10 @@ typedef enum kdtree_split_kernel_id {
                                    drafts in bf16 items of their own: KDTREE_KV_E4M3 calls where 8 does not run */
   KDTREE_KERNEL_MMA_SCALED = 7, /* the mma.sync kernel (the device's stages) with the drafts apart, prefix items
                                    scaled: KDTREE_KV_BF16 calls with k_scale or v_scale other than 1 */
-  KDTREE_KERNEL_DUAL_FP8 = 8    /* kernel 4 over an e4m3 pool, its rows widened to bf16 in shared memory, drafts in
+  KDTREE_KERNEL_DUAL_FP8 = 8,   /* kernel 4 over an e4m3 pool, its rows widened to bf16 in shared memory, drafts in
                                    bf16 items of their own: KDTREE_KV_E4M3 calls where 4 is the device's kernel */
+  KDTREE_KERNEL_SKINNY_FP8 = 9  /* kernel 5 over an e4m3 pool, its keys widened to f16 in registers, drafts in bf16
+                                   items of their own: KDTREE_KV_E4M3 calls of <= 16 rows per request beside 8 */
 } kdtree_split_kernel_id;
 
 /* The split kernel kdtree_verify_launch runs on the current device for calls of many rows per request, into
@@ -176,8 +178,9 @@ int kdtree_verify_split_kernel(int* kernel);
 
 /* The split kernel a call of this batch size, token count, head count, pool type (kv_dtype) and scaling
  * (kv_scaled: k_scale or v_scale other than 1) runs on the current device: for an e4m3 pool KDTREE_KERNEL_DUAL_FP8 where
- * the device's kernel is KDTREE_KERNEL_DUAL (sm_90a), else KDTREE_KERNEL_MMA_FP8 (its sm_120 code path; on an H100/H200
- * under KDTREE_SPLIT_KERNEL=mma or KDTREE_SPLIT_STAGES=2),
+ * the device's kernel is KDTREE_KERNEL_DUAL (sm_90a) and KDTREE_KERNEL_SKINNY_FP8 where it would run
+ * KDTREE_KERNEL_SKINNY (the same rule below; every e4m3 call under KDTREE_SPLIT_KERNEL=skinny), else
+ * KDTREE_KERNEL_MMA_FP8 (its sm_120 code path; on an H100/H200 under KDTREE_SPLIT_KERNEL=mma or KDTREE_SPLIT_STAGES=2),
  * KDTREE_KERNEL_MMA_SCALED for a scaled bf16 pool, else the device's (above), except that where it is
  * KDTREE_KERNEL_DUAL a call of num_heads * num_tokens / batch_size <= 16 rows per request runs KDTREE_KERNEL_SKINNY
  * (KDTREE_SKINNY=0: never), and where it is KDTREE_KERNEL_MMA_2STAGE a call of <= 32 rows per request runs

@@ -18,6 +18,7 @@
 #include "verify_plan.cuh"
 #include "verify_dual.cuh"
 #include "verify_skinny.cuh"
+#include "verify_skinny_fp8.cuh"
 
 #ifndef KDTREE_CUDA_ARCHS_STR
 #define KDTREE_CUDA_ARCHS_STR ""
@@ -102,6 +103,9 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
     case KDTREE_KERNEL_SKINNY:
       return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
               kdtree::sk::kRows, kdtree::sk::kTileN, 0};
+    case KDTREE_KERNEL_SKINNY_FP8:
+      return {kdtree::sk8::kdtree_verify_split_skinny_fp8_kernel, kdtree::sk::kThreads, kdtree::sk8::kSmemBytes,
+              kdtree::sk::kRows, kdtree::sk::kTileN, 0};
     case KDTREE_KERNEL_MMA_2STAGE:
       return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
               kdtree::MmaWide::kBlockM, kTileN};
@@ -136,6 +140,7 @@ struct DeviceInfo {
   int fp8_kernel;       // the kernel of calls over an e4m3 pool: DUAL_FP8 where the device's is DUAL, else MMA_FP8
   int fp8_status;       // KDTREE_OK where that kernel fits a block on an SM here, else why not
   int scaled_status;    // the same for the scaled bf16 kernel
+  int fp8_small_kernel; // the kernel of e4m3 calls whose requests cannot exceed small_rows rows (SKINNY_FP8), or 0
 };
 
 bool env_is(const char* name, const char* value) {
@@ -208,17 +213,24 @@ DeviceInfo device_info(int dev, int* status) {
       }
       return b < 1 ? KDTREE_ERR_RESOURCES : KDTREE_OK;
     };
-    int fp8_kernel = kernel == KDTREE_KERNEL_DUAL ? KDTREE_KERNEL_DUAL_FP8 : KDTREE_KERNEL_MMA_FP8;
+    int fp8_kernel = kernel == KDTREE_KERNEL_DUAL     ? KDTREE_KERNEL_DUAL_FP8
+                     : kernel == KDTREE_KERNEL_SKINNY ? KDTREE_KERNEL_SKINNY_FP8
+                                                      : KDTREE_KERNEL_MMA_FP8;
     int fp8_status = status_of(split_launch(fp8_kernel));
-    if (fp8_status != KDTREE_OK && fp8_kernel == KDTREE_KERNEL_DUAL_FP8) {   // (the sm_120 code path serves it too)
+    if (fp8_status != KDTREE_OK && fp8_kernel != KDTREE_KERNEL_MMA_FP8) {   // (the sm_120 code path serves it too)
       fp8_kernel = KDTREE_KERNEL_MMA_FP8;
       fp8_status = status_of(split_launch(fp8_kernel));
     }
     const int scaled_status = status_of(split_launch(KDTREE_KERNEL_MMA_SCALED, mma_stages));
+    // the skinny kernel's FP8 form beside it, for e4m3 calls of few rows
+    const int fp8_small_kernel =
+        small_kernel == KDTREE_KERNEL_SKINNY && status_of(split_launch(KDTREE_KERNEL_SKINNY_FP8)) == KDTREE_OK
+            ? KDTREE_KERNEL_SKINNY_FP8
+            : 0;
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows,
                            !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0"), mma_stages,
-                           fp8_kernel, fp8_status, scaled_status};
+                           fp8_kernel, fp8_status, scaled_status, fp8_small_kernel};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -233,13 +245,15 @@ DeviceInfo device_info(int dev, int* status) {
 // of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit). (A bound
 // of H x (T - B + 1) instead would move with the batch size: H8 N2 alone would run one kernel and in a batch of three
 // N2 requests the other.)
-// Calls over an e4m3 pool run the device's FP8 kernel, and scaled bf16 calls the scaled one, whatever their rows.
+// Calls over an e4m3 pool run the device's FP8 kernel or, by the same rule, its small-call FP8 kernel; scaled bf16
+// calls the scaled one, whatever their rows.
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads, int kv_dtype, bool kv_scaled) {
-  if (kv_dtype == KDTREE_KV_E4M3) return dev.fp8_kernel;
-  if (kv_scaled) return KDTREE_KERNEL_MMA_SCALED;
-  if (!dev.small_kernel || num_tokens % batch != 0) return dev.kernel;
+  const bool fp8 = kv_dtype == KDTREE_KV_E4M3;
+  if (!fp8 && kv_scaled) return KDTREE_KERNEL_MMA_SCALED;
+  const int kernel = fp8 ? dev.fp8_kernel : dev.kernel, small = fp8 ? dev.fp8_small_kernel : dev.small_kernel;
+  if (!small || num_tokens % batch != 0) return kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
-  return rows <= dev.small_rows ? dev.small_kernel : dev.kernel;
+  return rows <= dev.small_rows ? small : kernel;
 }
 
 // The environment switches this library reads and the values each takes besides unset or empty (the default). Any
@@ -531,7 +545,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.pack_mask_indptr = p->pack_mask_indptr;
   const bool dual = call == KDTREE_KERNEL_DUAL || call == KDTREE_KERNEL_DUAL_FP8;
   prm.q_tma = dev.q_tma && dual && build_q_maps(prm, p);   // (only the dual kernels read them)
-  prm.drafts_apart = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_MMA_SCALED || call == KDTREE_KERNEL_DUAL_FP8;
+  prm.drafts_apart = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_MMA_SCALED || call == KDTREE_KERNEL_DUAL_FP8 ||
+                     call == KDTREE_KERNEL_SKINNY_FP8;
   prm.k_scale = p->k_scale;
   prm.v_scale = p->v_scale;
 
@@ -542,8 +557,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.plan_blocks = p->reuse_plan ? 0 : 1;
   prm.pack_blocks = (int)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
   const long long rows = (long long)p->num_tokens * p->num_heads;
-  const int q_blocks = call == KDTREE_KERNEL_MMA_FP8 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock)
-                                                     : 0;
+  const int q_blocks = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_SKINNY_FP8
+                           ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock)
+                           : 0;
   const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);
   if (prep_blocks)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, prep_blocks, kdtree::kPlanThreads, 0, stream, pdl, prm));

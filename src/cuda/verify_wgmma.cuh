@@ -21,6 +21,7 @@
 #include "verify_item.cuh"
 #include "verify_profiling.cuh"
 #include "verify_ptx.cuh"
+#include "verify_q8.cuh"
 
 namespace kdtree {
 namespace wg {
@@ -83,6 +84,9 @@ __device__ __forceinline__ void set_max_regs() {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// until at most N of the warpgroup's latest committed wgmma groups are in flight
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // D[64 x 32] (+)= A[64 x 16] (shared memory, K-major) * B[16 x 32] (shared memory, K-major), fp32 accumulate.
 __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -106,9 +110,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_bt(float* d, uint64_t desc_a
 // q of a work item into shared memory by asynchronous copies (all in flight at once): Rows rows (64, or the
 // skinny kernel's 16) x 72 chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs of Rows x 128 B),
 // zeros for padding rows, thread `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
+// q8_rows: the rows' e4m3 terms from Params::q8 instead (hi, then lo: 1,152 bytes a row, as 72 chunks; the skinny FP8
+// kernel's prefix items, verify_q8.cuh), else q_nope / q_pe.
 template <int Rows = kBlockM>
 __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx& cx, int H, unsigned char* q, int tid,
-                                               int nthreads) {
+                                               int nthreads, bool q8_rows = false) {
   constexpr int kRowsSlabBytes = Rows * 128;
   for (int i = tid; i < Rows * kChunksPerKey; i += nthreads) {
     const int r = i / kChunksPerKey, ch = i - r * kChunksPerKey;
@@ -117,8 +123,11 @@ __device__ __forceinline__ void issue_q_copies(const Params& prm, const ItemCtx&
       const int rr = cx.row0 + r;
       const long long t = cx.rp.qo_begin + rr / H, h = rr % H;
       const int d = ch * 8;
-      src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
-                         : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
+      if (q8_rows)
+        src = reinterpret_cast<const __nv_bfloat16*>(prm.q8 + (t * H + h) * kQ8RowBytes) + d;   // (2-byte units)
+      else
+        src = d < kDimNope ? prm.q_nope + t * prm.q_nope_st + h * prm.q_nope_sh + d
+                           : prm.q_pe + t * prm.q_pe_st + h * prm.q_pe_sh + (d - kDimNope);
     }
     cp_async_16z(smem_u32(&q[(ch >> 3) * kRowsSlabBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4)]), src,
                  r < cx.rows ? 16 : 0);

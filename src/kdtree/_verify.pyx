@@ -38,6 +38,7 @@ cdef extern from "kdtree_verify.h" nogil:
         KDTREE_KERNEL_SKINNY
         KDTREE_KERNEL_MMA_FP8
         KDTREE_KERNEL_DUAL_FP8
+        KDTREE_KERNEL_SKINNY_FP8
         KDTREE_KERNEL_MMA_SCALED
 
     ctypedef struct kdtree_verify_params:
@@ -113,7 +114,8 @@ def compiled_archs():
 _KERNEL_NAMES = {KDTREE_KERNEL_MMA_2STAGE: "mma.sync-2stage", KDTREE_KERNEL_MMA_3STAGE: "mma.sync-3stage",
                  KDTREE_KERNEL_MMA_32ROW: "mma.sync-2stage-32row", KDTREE_KERNEL_DUAL: "wgmma-dual",
                  KDTREE_KERNEL_SKINNY: "wgmma-skinny", KDTREE_KERNEL_MMA_FP8: "mma.sync-fp8",
-                 KDTREE_KERNEL_MMA_SCALED: "mma.sync-scaled", KDTREE_KERNEL_DUAL_FP8: "wgmma-dual-fp8"}
+                 KDTREE_KERNEL_MMA_SCALED: "mma.sync-scaled", KDTREE_KERNEL_DUAL_FP8: "wgmma-dual-fp8",
+                 KDTREE_KERNEL_SKINNY_FP8: "wgmma-skinny-fp8"}
 
 
 def split_kernel(batch_size=None, num_tokens=None, num_heads=None, kv_dtype=KDTREE_KV_BF16, kv_scaled=False):
@@ -122,7 +124,8 @@ def split_kernel(batch_size=None, num_tokens=None, num_heads=None, kv_dtype=KDTR
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
     runs the dual kernel and no request can exceed 16 rows, ``"mma.sync-2stage-32row"`` where it runs the 2-stage
     kernel and no request can exceed 32 rows; for ``kv_dtype=KV_E4M3`` ``"wgmma-dual-fp8"`` where the device runs the
-    dual kernel, else ``"mma.sync-fp8"``; ``"mma.sync-scaled"`` for a bf16 pool with ``kv_scaled``: KV scales other
+    dual kernel, ``"wgmma-skinny-fp8"`` where it would run ``"wgmma-skinny"`` on a bf16 pool, else
+    ``"mma.sync-fp8"``; ``"mma.sync-scaled"`` for a bf16 pool with ``kv_scaled``: KV scales other
     than 1). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
     cdef int status
