@@ -9,7 +9,8 @@
 # - runs the kernel's GPU tests on every variant (KDTREE_AB_TESTS=0 skips them), in parallel;
 # - times the shapes of KDTREE_AB_ONLY (bench.py --only substrings) for the default and each variant in turn,
 #   KDTREE_AB_ROUNDS times (default 2; the order reversed every other round, so that drift shows), and prints one
-#   line per run and a table of each variant's mean against the default's.
+#   line per run and a table of each variant's mean against the default's (KDTREE_AB_BENCH_ARGS: more bench.py
+#   arguments, e.g. "--kv e4m3 --small-rows").
 # Compare variants only within one run of this script: on the H200 the same build moves 1-3% between machines and
 # runs (docs/performance.md, "How the numbers are taken").
 set -uo pipefail
@@ -76,7 +77,7 @@ for ((r = 0; r < ${KDTREE_AB_ROUNDS:-2}; r++)); do
     step "round $r: $v"
     pp=""; [ "$v" != default ] && pp=/tmp/kd_ab$v
     env $(venv $v) PYTHONPATH=$pp timeout 150 \
-      python3 benchmarks/bench.py --no-sglang --only "$ONLY" --out "$OUT/ab_${v}_r$r.json" \
+      python3 benchmarks/bench.py --no-sglang --only "$ONLY" ${KDTREE_AB_BENCH_ARGS:-} --out "$OUT/ab_${v}_r$r.json" \
       > "$OUT/ab_${v}_r$r.log" 2>&1 || echo "bench rc=$? (see ab_${v}_r$r.log)"
   done
 done

@@ -89,8 +89,9 @@ if has sanitize; then
       grep -E "Error|hazard|Race|at 0x" "/tmp/sanitize_${tool}_${c}.log" | head -6   # the first findings, if any
     done
   done
-  if has fp8; then   # the FP8 kernel (its own barriers and layout) on an e4m3 pool with KV scales
-    for tc in "memcheck split" "racecheck split" "racecheck small" "synccheck split"; do
+  if has fp8; then   # the FP8 kernels (their own barriers and layouts) on an e4m3 pool with KV scales (n1: skinny FP8)
+    for tc in "memcheck split" "racecheck split" "racecheck small" "synccheck split" "memcheck n1" "racecheck n1" \
+              "synccheck n1"; do
       set -- $tc
       log "compute-sanitizer $1 $2, e4m3 pool"
       KDTREE_TEST_KV=e4m3 compute-sanitizer --tool $1 --error-exitcode 9 python3 tools/sanitize_case.py $2 \
