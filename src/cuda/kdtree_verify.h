@@ -163,8 +163,9 @@ typedef enum kdtree_split_kernel_id {
                                    scaled: KDTREE_KV_BF16 calls with k_scale or v_scale other than 1 */
   KDTREE_KERNEL_DUAL_FP8 = 8,   /* kernel 4 over an e4m3 pool, its rows widened to bf16 in shared memory, drafts in
                                    bf16 items of their own: KDTREE_KV_E4M3 calls where 4 is the device's kernel */
-  KDTREE_KERNEL_SKINNY_FP8 = 9  /* kernel 5 over an e4m3 pool, its keys widened to f16 in registers, drafts in bf16
-                                   items of their own: KDTREE_KV_E4M3 calls of <= 16 rows per request beside 8 */
+  KDTREE_KERNEL_SKINNY_FP8 = 9  /* kernel 5 over an e4m3 pool, its products in e4m3 wgmma with the keys as the A
+                                   operand from registers, drafts in bf16 items of their own: KDTREE_KV_E4M3 calls
+                                   of <= 16 rows per request beside 8 */
 } kdtree_split_kernel_id;
 
 /* The split kernel kdtree_verify_launch runs on the current device for calls of many rows per request, into

@@ -21,6 +21,11 @@ constexpr int kDimQK = KDTREE_HEAD_DIM_QK;       // 576
 constexpr int kTileN = 32;                       // keys per pipeline tile (4 n8 mma tiles, 2 k16 steps of P V)
 
 constexpr int kKeyBytes = kDimQK * 2;    // 1152: one bulk copy per key
+// An e4m3 key row as the FP8 kernels stage it in shared memory: 576 bytes padded to 592, 37 16-byte units (an odd
+// number), so that 8 rows read at one offset (an ldmatrix, a quarter warp's 16-byte loads) fall in distinct bank
+// groups.
+constexpr int kKeyPitch8 = kDimQK + 16;
+static_assert(kKeyPitch8 % 16 == 0 && (kKeyPitch8 / 16) % 2 == 1, "rows 16 B aligned, an odd number of 16 B apart");
 
 #ifndef KDTREE_MIN_CHUNK
 #define KDTREE_MIN_CHUNK 256

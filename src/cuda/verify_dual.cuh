@@ -113,9 +113,8 @@ struct SmemRing {
 // bf16 kernel with two buffers instead of four takes 147 us against 117; this kernel 199, and 163 with the widening
 // knocked out: the widen sits on the two-buffer chain (a buffer is refilled only after both P V of its last tile).
 constexpr int kStages8 = 3;
-constexpr int kPitch8 = kDimQK + 16;   // 592 B a staged row: 8 rows at one offset fall in distinct 16-byte bank groups
 struct SmemFp8 : SmemRing<2> {
-  alignas(128) unsigned char kv8[kStages8][kTileN * kPitch8];   // 56,832
+  alignas(128) unsigned char kv8[kStages8][kTileN * kKeyPitch8];   // 56,832
   unsigned long long landed[kStages8];   // e4m3 tile staged: 1 arrival (the expected bytes) + the copies' bytes
 };
 template <bool Fp8>
@@ -128,7 +127,6 @@ static_assert(kSmemBytes <= 232448 && kSmemBytesFp8 <= 232448, "sm_90 gives a bl
 static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
 static_assert(kRing<true> % 2 == 0 && kRing<false> % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
 static_assert(kRing<true> * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
-static_assert(kPitch8 % 16 == 0 && (kPitch8 / 16) % 2 == 1, "staged rows 16 B aligned, an odd number of 16 B apart");
 
 // Producer thread i's part of tile t (kProducerKeys keys: wg::copy_tile) into ring buffer b, then its arrival on the
 // buffer's mbarrier once it has landed; nothing past the item's last tile.
@@ -146,7 +144,8 @@ __device__ __forceinline__ void stage_tile8(SmemFp8& sm, const Params& prm, cons
   if (pt == 0) mbar_arrive_expect_tx(&sm.landed[e], kTileN * kDimQK);
   if (pt < kTileN) {
     fence_proxy_async();   // the producer's reads of this buffer (generic proxy) before the async writes
-    bulk_copy_g2s(&sm.kv8[e][pt * kPitch8], key_ptr8(prm, cx, cx.k0 + t * kTileN + pt, slot), kDimQK, &sm.landed[e]);
+    bulk_copy_g2s(&sm.kv8[e][pt * kKeyPitch8], key_ptr8(prm, cx, cx.k0 + t * kTileN + pt, slot), kDimQK,
+                  &sm.landed[e]);
   }
 }
 // FP8: the staged e4m3 tile in buffer e widened to bf16 into ring buffer `kv`, in the ring's 128-byte swizzled layout,
@@ -163,7 +162,7 @@ __device__ __forceinline__ void widen_tile8(const SmemFp8& sm, int e, unsigned c
   constexpr int kChunks = kDimQK / 64;   // 9 a thread
   static_assert(kChunks % kWidenBatch == 0, "whole batches");
   const int key = ((pt >> 5) << 3) + (pt & 7), sub = (pt >> 3) & 3;
-  const unsigned char* __restrict__ src = &sm.kv8[e][key * kPitch8 + sub * 16];
+  const unsigned char* __restrict__ src = &sm.kv8[e][key * kKeyPitch8 + sub * 16];
   unsigned char* __restrict__ dst = kv + key * 128;
 #pragma unroll
   for (int i0 = 0; i0 < kChunks; i0 += kWidenBatch) {

@@ -137,7 +137,8 @@ struct DeviceInfo {
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
   int mma_stages;       // key stages of the mma.sync kernels here (3 where a block may take 227 KB, else 2)
-  int fp8_kernel;       // the kernel of calls over an e4m3 pool: DUAL_FP8 where the device's is DUAL, else MMA_FP8
+  int fp8_kernel;       // the kernel of calls over an e4m3 pool: the FP8 form of the device's (DUAL_FP8 of DUAL,
+                        // SKINNY_FP8 of SKINNY), else MMA_FP8
   int fp8_status;       // KDTREE_OK where that kernel fits a block on an SM here, else why not
   int scaled_status;    // the same for the scaled bf16 kernel
   int fp8_small_kernel; // the kernel of e4m3 calls whose requests cannot exceed small_rows rows (SKINNY_FP8), or 0
@@ -545,8 +546,8 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.pack_mask_indptr = p->pack_mask_indptr;
   const bool dual = call == KDTREE_KERNEL_DUAL || call == KDTREE_KERNEL_DUAL_FP8;
   prm.q_tma = dev.q_tma && dual && build_q_maps(prm, p);   // (only the dual kernels read them)
-  prm.drafts_apart = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_MMA_SCALED || call == KDTREE_KERNEL_DUAL_FP8 ||
-                     call == KDTREE_KERNEL_SKINNY_FP8;
+  // every e4m3 call runs an FP8 kernel, and all of them, like the scaled one, take the drafts apart
+  prm.drafts_apart = p->kv_dtype == KDTREE_KV_E4M3 || call == KDTREE_KERNEL_MMA_SCALED;
   prm.k_scale = p->k_scale;
   prm.v_scale = p->v_scale;
 

@@ -41,7 +41,6 @@ namespace kdtree {
 
 constexpr int kStages8 = 3;                   // e4m3 key buffers (3 x 18.5 KB beside lo(q) fit sm_120's 99 KB)
 constexpr int kKeyBytes8 = kDimQK;            // 576: one bulk copy per key
-constexpr int kKvPitch8 = kDimQK + 16;        // bytes per smem key (and lo(q)) row
 constexpr int kKSteps8 = kDimQK / 32;         // 18 k32 steps over the 576 dims
 // hi(q) of k-steps [0, kQHiRegSteps) lives in the score warps' registers (4 a step), of the last steps in shared
 // memory beside lo(q): with all 18 in registers the kernel spills on sm_120 (168 registers a thread: 11 warps share a
@@ -52,8 +51,7 @@ constexpr int kQHiSmemBytes = (kKSteps8 - kQHiRegSteps) * 32;   // 128
 constexpr int kQPitch8 = kDimQK + kQHiSmemBytes + 16;           // a row of lo(q), then hi(q)'s tail: 720 B
 constexpr float kLog2PMax = 8.8073549220576f;   // log2(448): P = 448 * 2^(s - m)
 static_assert(kStages8 <= kMaxStages, "the e4m3 ring uses the bf16 kernel's named barrier ids");
-static_assert(kKvPitch8 % 16 == 0 && (kKvPitch8 / 16) % 2 == 1, "key rows 16 B aligned, an odd number of 16 B apart");
-static_assert(kQPitch8 % 16 == 0 && (kQPitch8 / 16) % 2 == 1, "q rows too");
+static_assert(kQPitch8 % 16 == 0 && (kQPitch8 / 16) % 2 == 1, "q rows 16 B aligned, an odd number of 16 B apart");
 
 // Shared memory of the FP8 kernel: the draft items' bf16 layout (the members mma_item reads, as SharedStorage<2> has
 // them) and the prefix items' e4m3 layout share their bytes; barriers, rescale factors and row sums are common.
@@ -65,7 +63,7 @@ struct SharedStorageFp8 {
       __nv_bfloat16 p[2][kBlockM][kTileN];
     };
     struct {
-      uint8_t kv8[kStages8][kTileN][kKvPitch8];
+      uint8_t kv8[kStages8][kTileN][kKeyPitch8];
       uint8_t q8[kBlockM][kQPitch8];              // per row: lo(q), then hi(q) of dims [kQHiRegSteps * 32, 576)
       uint8_t p8[kStages8][kBlockM][kTileN];      // P (e4m3) in A-fragment key order, 16-byte halves swizzled
     };
@@ -176,7 +174,7 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
         for (int ks = 0; ks < kKSteps8; ++ks) {
           uint32_t kb[2][4], al[4], ah[4];
           ldmatrix_x4(kb[0], kbase + ks * 32);                    // keys 0-15: groups 0, 1
-          ldmatrix_x4(kb[1], kbase + 16 * kKvPitch8 + ks * 32);   // keys 16-31: groups 2, 3
+          ldmatrix_x4(kb[1], kbase + 16 * kKeyPitch8 + ks * 32);   // keys 16-31: groups 2, 3
           ldmatrix_x4(al, qlbase + ks * 32);
           if (ks >= kQHiRegSteps) ldmatrix_x4(ah, qlbase + kDimQK + (ks - kQHiRegSteps) * 32);
           const uint32_t(&a)[4] = ks < kQHiRegSteps ? qa[ks] : ah;

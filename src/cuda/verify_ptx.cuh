@@ -126,6 +126,15 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
   asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
   return r;
 }
+// Two floats as two e4m3 terms each, hi = e4m3(x) and lo = e4m3(x - hi), each pair packed as cvt_e4m3x2 packs it;
+// returns the values hi + lo stand for (q's split, verify_q8.cuh; P's, verify_skinny_fp8.cuh).
+__device__ __forceinline__ float2 split_e4m3x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = cvt_e4m3x2(x0, x1);
+  const float2 h = f16x2_to_float2(e4m3x2_to_f16x2(hi));
+  lo = cvt_e4m3x2(x0 - h.x, x1 - h.y);
+  const float2 l = f16x2_to_float2(e4m3x2_to_f16x2(lo));
+  return make_float2(h.x + l.x, h.y + l.y);
+}
 // Four e4m3 (a 32-bit word) to four bf16 (two words), exactly: e4m3 -> f16 (cvt) -> f32, whose upper halves are the
 // bf16 values (an e4m3 value has 4 significant bits: no rounding), taken by one byte permute a pair.
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {

@@ -73,10 +73,11 @@ __device__ __forceinline__ void quantize_q_row(const Params& prm, int row, int l
         float x[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) x[k] = v[i][4 * w + k] * inv;
-        const uint32_t h01 = cvt_e4m3x2(x[0], x[1]), h23 = cvt_e4m3x2(x[2], x[3]);
-        const float2 d01 = f16x2_to_float2(e4m3x2_to_f16x2(h01)), d23 = f16x2_to_float2(e4m3x2_to_f16x2(h23));
+        uint32_t h01, l01, h23, l23;
+        split_e4m3x2(x[0], x[1], h01, l01);
+        split_e4m3x2(x[2], x[3], h23, l23);
         hi[w] = h01 | (h23 << 16);
-        lo[w] = cvt_e4m3x2(x[0] - d01.x, x[1] - d01.y) | (cvt_e4m3x2(x[2] - d23.x, x[3] - d23.y) << 16);
+        lo[w] = l01 | (l23 << 16);
       }
       *reinterpret_cast<uint4*>(out + ch * 16) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       *reinterpret_cast<uint4*>(out + kDimQK + ch * 16) = make_uint4(lo[0], lo[1], lo[2], lo[3]);

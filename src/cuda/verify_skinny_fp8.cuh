@@ -40,12 +40,11 @@ using sk::kVBlocks;
 using wg::SmemDesc;
 
 constexpr int kStages = 4;
-constexpr int kPitch8 = kDimQK + 16;          // 592 B a staged e4m3 key (37 16-byte units: odd)
 constexpr int kDraftKeys = 32;                // keys of a draft tile
 constexpr int kPitch16 = kKeyBytes + 16;      // 1,168 B a staged bf16 draft key (73 units)
-constexpr int kStageBytes = kTileN * kPitch8; // 37,888
+constexpr int kStageBytes = kTileN * kKeyPitch8;   // 37,888
 static_assert(kDraftKeys * kPitch16 <= kStageBytes, "a draft tile fits a stage");
-static_assert((kPitch8 / 16) % 2 == 1 && (kPitch16 / 16) % 2 == 1, "ldmatrix rows in distinct bank groups");
+static_assert((kPitch16 / 16) % 2 == 1, "ldmatrix rows in distinct bank groups");
 static_assert(kDraftKeys % 16 == 0 && kDraftKeys <= kTileN, "draft tiles: whole warps of keys");
 
 struct Smem {
@@ -116,7 +115,7 @@ static_assert((kDimQK / 32) % kSLoads == 0, "whole groups");
 // times hi(q) and lo(q). (Spreading the 36 products over 2, 4 or 6 accumulators measured the same, within 0.6%.)
 __device__ __forceinline__ void scores_e4m3(float (&s)[8], uint32_t kv, const SmemDesc& qd, int warp, int lane) {
   const int mi = lane >> 3, r = lane & 7;
-  const uint32_t row = kv + (warp * 16 + r + 8 * (mi & 1)) * kPitch8 + 16 * (mi >> 1);
+  const uint32_t row = kv + (warp * 16 + r + 8 * (mi & 1)) * kKeyPitch8 + 16 * (mi >> 1);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
   pipelined<kDimQK / 32 / kSLoads, kSLoads>(
@@ -150,7 +149,7 @@ __host__ __device__ __forceinline__ int p8_offset(int col, int key) {
 __device__ __forceinline__ void values_e4m3(float (&o)[kVBlocks][8], uint32_t kv, const SmemDesc& pd_hi,
                                             const SmemDesc& pd_lo, int warp, int lane) {
   const int mi = lane >> 3, r = lane & 7;
-  const uint32_t col = kv + (8 * mi + r) * kPitch8 + 16 * warp;
+  const uint32_t col = kv + (8 * mi + r) * kKeyPitch8 + 16 * warp;
   constexpr int kPairs = kVBlocks / 2;
   pipelined<2 * kPairs, 2>(
       [&](int grp, uint32_t(&a)[2][4]) {
@@ -158,7 +157,7 @@ __device__ __forceinline__ void values_e4m3(float (&o)[kVBlocks][8], uint32_t kv
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
           uint32_t m[4];
-          ldmatrix_x4_trans(m, col + 32 * ss * kPitch8 + 64 * (2 * (grp % kPairs) + v));
+          ldmatrix_x4_trans(m, col + 32 * ss * kKeyPitch8 + 64 * (2 * (grp % kPairs) + v));
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             a[v][2 * h] = __byte_perm(m[2 * h], m[2 * h + 1], 0x6420);       // dim 2g: keys 2c, 2c+1, 8+2c, 9+2c
@@ -184,11 +183,8 @@ struct PtE4m3 {
   __device__ __forceinline__ void operator()(float (&pv)[8]) const {
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {   // values i, i + 1: one key, columns col_q(i), col_q(i + 1)
-      const float x0 = 448.f * pv[i], x1 = 448.f * pv[i + 1];
-      const uint32_t h = cvt_e4m3x2(x0, x1);
-      const float2 hd = f16x2_to_float2(e4m3x2_to_f16x2(h));
-      const uint32_t l = cvt_e4m3x2(x0 - hd.x, x1 - hd.y);
-      const float2 ld = f16x2_to_float2(e4m3x2_to_f16x2(l));
+      uint32_t h, l;
+      const float2 stored = split_e4m3x2(448.f * pv[i], 448.f * pv[i + 1], h, l);
       const int key = warp * 16 + g + 8 * km::row_half(i);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
@@ -196,8 +192,8 @@ struct PtE4m3 {
         hi[off] = (unsigned char)(h >> (8 * u));
         lo[off] = (unsigned char)(l >> (8 * u));
       }
-      pv[i] = (hd.x + ld.x) * (1.f / 448.f);
-      pv[i + 1] = (hd.y + ld.y) * (1.f / 448.f);
+      pv[i] = stored.x * (1.f / 448.f);
+      pv[i + 1] = stored.y * (1.f / 448.f);
     }
   }
 };
@@ -278,7 +274,7 @@ __device__ __forceinline__ void key_producer(Smem& sm, const Params& prm, int pt
         fence_proxy_async();   // the consumer's reads of the stage ordered before the async writes
         const int key = cx.k0 + t * keys + pt;
         if (prefix)
-          bulk_copy_g2s(&sm.kv[b][pt * kPitch8], key_ptr8(prm, cx, key, slot), kDimQK, &sm.full[b]);
+          bulk_copy_g2s(&sm.kv[b][pt * kKeyPitch8], key_ptr8(prm, cx, key, slot), kDimQK, &sm.full[b]);
         else
           bulk_copy_g2s(&sm.kv[b][pt * kPitch16], key_ptr(prm, cx, key, 0), kKeyBytes, &sm.full[b]);
       }
