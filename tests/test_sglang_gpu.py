@@ -96,8 +96,9 @@ def test_validate_reports_wrong_kernel_gpu(sg_patch, monkeypatch):
     where = (5, 3, 17)
 
     def wrong(backend, q, k, layer, out3, capturing):
-        real(backend, q, k, layer, out3, capturing)
+        kv_dtype = real(backend, q, k, layer, out3, capturing)
         out3[where] += 1.0
+        return kv_dtype
 
     unpatched = cuda_case(300, **CASES[3][1])
     ref_out = unpatched.call()

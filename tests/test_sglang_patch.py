@@ -326,8 +326,9 @@ def test_validate_reports_a_wrong_kernel(sg_patch, monkeypatch, caplog, poison):
     where = (2, 1, 300)   # (token, head, dim)
 
     def wrong_kernel(backend, q, k, layer, out3, capturing):
-        real_kernel(backend, q, k, layer, out3, capturing)
+        kv_dtype = real_kernel(backend, q, k, layer, out3, capturing)
         out3[where] = float("nan") if poison == "nan" else out3[where].float() + 0.5
+        return kv_dtype
 
     monkeypatch.setattr(sglang_patch, "_kernel", wrong_kernel)
     unpatched = build_case(seed=4, batch=1, heads=2, n=4)

@@ -671,8 +671,9 @@ def _workspace_of(backend) -> ops.Workspace:
     return ws
 
 
-def _kernel(backend, q, k, layer, out3, capturing: bool) -> None:
-    """kdtree's kernel for the current verify batch into ``out3`` ``[T, H, 512]``."""
+def _kernel(backend, q, k, layer, out3, capturing: bool) -> torch.dtype:
+    """kdtree's kernel for the current verify batch into ``out3`` ``[T, H, 512]``; returns the pool's element type
+    (validate mode's bound depends on it, and it is read here without a second ``get_key_buffer``)."""
     md = backend.forward_metadata
     T = q.shape[0]
     H = layer.tp_q_head_num
@@ -691,6 +692,7 @@ def _kernel(backend, q, k, layer, out3, capturing: bool) -> None:
                          custom_mask=md.custom_mask if pack else None, mask_indptr=md.mask_indptr if pack else None,
                          k_scale=k_scale, v_scale=v_scale)
     backend._kdtree_pass_cache = (md, layer.layer_id, capturing, T, H, mask)
+    return kv_cache.dtype
 
 
 def _capturing(q) -> bool:
@@ -740,7 +742,7 @@ def _validate(original, backend, q, k, v, layer, fb, args, kwargs):
     H = layer.tp_q_head_num
     mine = _scratch_out(q.device, T, H)
     try:
-        _kernel(backend, q, k, layer, mine, False)
+        kv_dtype = _kernel(backend, q, k, layer, mine, False)
     except Exception:
         _state.counters.kernel_errors += 1
         first = _state.counters.kernel_errors == 1
@@ -750,8 +752,7 @@ def _validate(original, backend, q, k, v, layer, fb, args, kwargs):
             logger.exception("kdtree validate: the kernel raised on layer %s (T=%d, H=%d); returning SGLang's "
                              "output", layer.layer_id, T, H)
         return out
-    fp8 = backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype == torch.float8_e4m3fn
-    _compare(out.view(T, H, HEAD_DIM_V), mine, layer, fp8)
+    _compare(out.view(T, H, HEAD_DIM_V), mine, layer, kv_dtype == torch.float8_e4m3fn)
     return out
 
 
