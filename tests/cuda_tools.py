@@ -15,6 +15,16 @@ def find_nvcc():
     return None
 
 
+def nvcc_or_skip():
+    """find_nvcc(), or the calling test skipped when there is no nvcc."""
+    import pytest
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    return nvcc
+
+
 def _find_tool(name):
     """A CUDA binary from PATH, the toolkit, NVIDIA's pip wheels (nvidia/<cu13>/bin) or triton's; None if none."""
     found = shutil.which(name)

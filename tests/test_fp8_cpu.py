@@ -17,7 +17,7 @@ import kdtree
 from kdtree.reference import verify_attention_reference
 from kdtree.synthetic import make_verify_batch
 
-from cuda_tools import find_nvcc
+from cuda_tools import nvcc_or_skip
 from fp8_model import e4m3, q8_row_exponent, q8_split, sglang_fp8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,13 +75,6 @@ def test_q8_exponent_rule_and_split():
         assert float(((hi - scaled).abs() / scaled.abs().clamp_min(1e-30)).max()) > 2.0 ** -6
 
 
-def _host_compiler():
-    nvcc = find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
-    return nvcc
-
-
 def test_q8_exponent_in_the_cuda_header_matches_the_model(tmp_path):
     """verify_q8.cuh's q8_row_exponent, compiled for the host, on edge cases and random magnitudes."""
     values = [448.0, 448.00003, 447.99997, 224.0, 224.00002, 1.0, 1.75, 1.7500001, 0.0, 1e-30, 2.0 ** -126,
@@ -92,7 +85,7 @@ def test_q8_exponent_in_the_cuda_header_matches_the_model(tmp_path):
     src.write_text('#include <cstdio>\n#include "verify_q8.cuh"\nint main() {\n  float v;\n'
                    '  while (scanf("%a", &v) == 1) printf("%d\\n", kdtree::q8_row_exponent(v));\n}\n')
     exe = tmp_path / "t"
-    out = subprocess.run([_host_compiler(), "-std=c++17", f"-I{ROOT / 'src' / 'cuda'}", str(src), "-o", str(exe)],
+    out = subprocess.run([nvcc_or_skip(), "-std=c++17", f"-I{ROOT / 'src' / 'cuda'}", str(src), "-o", str(exe)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     floats = [float(torch.tensor(v, dtype=torch.float32)) for v in values]
@@ -200,7 +193,7 @@ def test_skinny_fp8_value_fragments_follow_the_p_order(tmp_path):
     src.write_text('#include <cstdio>\n#include "verify_skinny_fp8.cuh"\nint main() {\n'
                    '  for (int key = 0; key < 64; ++key) printf("%d\\n", kdtree::sk8::p8_offset(0, key));\n}\n')
     exe = tmp_path / "p8"
-    out = subprocess.run([_host_compiler(), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
+    out = subprocess.run([nvcc_or_skip(), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
                           f"-I{ROOT / 'src' / 'cuda'}", str(src), "-o", str(exe)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     pos = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]

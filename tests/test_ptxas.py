@@ -14,14 +14,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cuda_tools import find_nvcc, sass_command
+from cuda_tools import nvcc_or_skip, sass_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("flags", [[], ["-DKDTREE_EXP_TRACE"]], ids=["default", "trace"])
 def test_no_kernel_serialises_its_wgmma(flags):
-    _nvcc()
+    nvcc_or_skip()
     out = subprocess.run(["bash", str(ROOT / "tools" / "wgmma_check.sh"), *flags], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     assert out.stdout.startswith("wgmma not serialised"), out.stdout
@@ -33,13 +33,6 @@ def test_no_kernel_serialises_its_wgmma(flags):
 SPILL_ALLOWANCE = {("sm_90a", "_ZN6kdtree30kdtree_verify_split_fp8_kernelENS_6ParamsE"): 64}
 
 
-def _nvcc():
-    nvcc = find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
-    return nvcc
-
-
 _COMPILED = {}
 
 
@@ -49,7 +42,7 @@ def _compiled(arch, tmp_path_factory):
     if arch not in _COMPILED:
         obj = tmp_path_factory.mktemp(arch) / "v.o"
         defs = ["-DKDTREE_HAVE_SM90A=1"] if arch == "sm_90a" else []
-        cmd = [_nvcc(), "-std=c++17", "-O3", "--expt-relaxed-constexpr", *defs,
+        cmd = [nvcc_or_skip(), "-std=c++17", "-O3", "--expt-relaxed-constexpr", *defs,
                f"--generate-code=arch=compute_{arch[3:]},code={arch}", f"-I{ROOT / 'src' / 'cuda'}", "-Xptxas", "-v",
                "-c", str(ROOT / "src" / "cuda" / "verify_launch.cu"), "-o", str(obj)]
         out = subprocess.run(cmd, capture_output=True, text=True)
