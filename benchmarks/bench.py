@@ -90,14 +90,14 @@ def verify_call(prefixes, heads, n, seed, separate_mask=False, kv="bf16", **batc
                           min_pool_slots=MIN_POOL_SLOTS, poison=False, kv_dtype=KV_DTYPES[kv], **batch_kw)
     t, h = b.q.shape[:2]
     q_nope, q_pe = split_mla_q(b.q)
-    kv = kv_cache_2d(b.kv_buffer)
+    pool = kv_cache_2d(b.kv_buffer)
     out = torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda")
 
     def mask():
         return build_tree_mask(b.custom_mask, b.mask_indptr, b.qo_indptr, b.kv_indptr, t, b.max_n)
 
     def attend(tree, **pack):
-        kdtree.verify_attention(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
+        kdtree.verify_attention(q_nope, q_pe, pool, b.kv_indptr, b.kv_indices, b.qo_indptr, b.k[:, 0], tree,
                                 b.sm_scale, out=out, **pack)
 
     tree = mask()
