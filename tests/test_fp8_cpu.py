@@ -177,27 +177,37 @@ def test_validate_fp8_bound_holds_sglang_numerics_and_catches_a_wrong_row(sg_pat
     assert max(elementwise) > 1, elementwise
 
 
-def test_skinny_fp8_value_fragments_follow_the_p_order(tmp_path):
-    """The skinny FP8 kernel's O^T = V^T P^T (verify_skinny_fp8.cuh, values_e4m3) builds its e4m3 A fragments from
-    ldmatrix.trans (b16) of the staged key rows and two byte permutes, and stores P^T in the k order those fragments
-    have (p8_offset). A model of ldmatrix.trans and of the A fragment of wgmma m64nNk32 (byte b of register j of thread
-    (g, c): row g + 8 (j & 1), k 16 (j >> 1) + 4c + b), with the permute selectors read from the source and p8_offset
-    compiled from it, must give every (row, k) of every thread one value dim (2g + (j & 1), as the kernel stores its
-    rows) and the key whose P p8_offset puts at that k."""
-    text = (ROOT / "src" / "cuda" / "verify_skinny_fp8.cuh").read_text()
-    body = text[text.index("void values_e4m3("):text.index("struct PtE4m3")]
-    sels = re.findall(r"a\[v\]\[2 \* h( \+ 1)?\] = __byte_perm\(m\[2 \* h\], m\[2 \* h \+ 1\], (0x[0-9a-fA-F]+)\)", body)
+def test_fp8_value_fragments_follow_the_p_order(tmp_path):
+    """The e4m3 O^T = V^T P^T of the skinny FP8 kernel (verify_skinny_fp8.cuh, values_e4m3) and of the dual kernel's FP8
+    form (verify_dual.cuh, values8) builds its A fragments from ldmatrix.trans (b16) of the staged key rows and two byte
+    permutes (wg::e4m3_vt_fragment), and stores P^T in the k order those fragments have (the skinny kernel's p8_offset,
+    the dual's p8_pair_pos). A model of ldmatrix.trans and of the A fragment of wgmma m64nNk32 (byte b of register j of
+    thread (g, c): row g + 8 (j & 1), k 16 (j >> 1) + 4c + b), with the permute selectors read from the source and
+    p8_offset compiled from it, must give every (row, k) of every thread one value dim (2g + (j & 1), as the kernels
+    store their rows) and the key whose P p8_offset puts at that k; and p8_pair_pos must put the dual's score thread's
+    keys where p8_offset does."""
+    text = (ROOT / "src" / "cuda" / "verify_wgmma.cuh").read_text()
+    body = text[text.index("void e4m3_vt_fragment("):]
+    body = body[:body.index("\n}\n")]
+    sels = re.findall(r"a\[2 \* h( \+ 1)?\] = __byte_perm\(m\[2 \* h\], m\[2 \* h \+ 1\], (0x[0-9a-fA-F]+)\)", body)
     sel = {bool(odd): int(value, 16) for odd, value in sels}
     assert set(sel) == {False, True}, sels
     src = tmp_path / "p8.cu"
-    src.write_text('#include <cstdio>\n#include "verify_skinny_fp8.cuh"\nint main() {\n'
-                   '  for (int key = 0; key < 64; ++key) printf("%d\\n", kdtree::sk8::p8_offset(0, key));\n}\n')
+    src.write_text('#include <cstdio>\n#include "verify_skinny_fp8.cuh"\n#include "verify_dual.cuh"\nint main() {\n'
+                   '  for (int key = 0; key < 64; ++key) printf("%d\\n", kdtree::sk8::p8_offset(0, key));\n'
+                   '  for (int j = 0; j < 4; ++j)\n'
+                   '    for (int c = 0; c < 4; ++c) printf("%d\\n", kdtree::dual::p8_pair_pos(j, c));\n}\n')
     exe = tmp_path / "p8"
     out = subprocess.run([nvcc_or_skip(), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
                           f"-I{ROOT / 'src' / 'cuda'}", str(src), "-o", str(exe)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    pos = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    printed = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    pos, pair_pos = printed[:64], printed[64:]
     assert sorted(pos) == list(range(64)), "p8_offset (row 0) is not a permutation of a tile's 64 keys"
+    for j in range(4):   # the dual's 32-key tile: thread (g, c) holds keys 8j + 2c + u (u = 0, 1) of its rows
+        for c in range(4):
+            for u in range(2):
+                assert pair_pos[4 * j + c] + u == pos[8 * j + 2 * c + u], (j, c, u)
 
     def trans_word(i, g, c):   # ldmatrix.trans (b16) of matrix i (keys 8i .. 8i + 7, 16 bytes of dims): (key, dim) bytes
         return [(8 * i + 2 * c, 2 * g), (8 * i + 2 * c, 2 * g + 1), (8 * i + 2 * c + 1, 2 * g), (8 * i + 2 * c + 1, 2 * g + 1)]

@@ -161,8 +161,9 @@ typedef enum kdtree_split_kernel_id {
                                    drafts in bf16 items of their own: KDTREE_KV_E4M3 calls where 8 does not run */
   KDTREE_KERNEL_MMA_SCALED = 7, /* the mma.sync kernel (the device's stages) with the drafts apart, prefix items
                                    scaled: KDTREE_KV_BF16 calls with k_scale or v_scale other than 1 */
-  KDTREE_KERNEL_DUAL_FP8 = 8,   /* kernel 4 over an e4m3 pool, its rows widened to bf16 in shared memory, drafts in
-                                   bf16 items of their own: KDTREE_KV_E4M3 calls where 4 is the device's kernel */
+  KDTREE_KERNEL_DUAL_FP8 = 8,   /* kernel 4 over an e4m3 pool, its products in e4m3 wgmma (V^T from registers), four
+                                   warpgroups, drafts in bf16 items of their own: KDTREE_KV_E4M3 calls where 4 is the
+                                   device's kernel */
   KDTREE_KERNEL_SKINNY_FP8 = 9  /* kernel 5 over an e4m3 pool, its products in e4m3 wgmma with the keys as the A
                                    operand from registers, drafts in bf16 items of their own: KDTREE_KV_E4M3 calls
                                    of <= 16 rows per request beside 8 */

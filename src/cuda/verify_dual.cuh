@@ -25,9 +25,20 @@
 // in docs/performance.md, "What was tried and measured slower". In short: the ring's chain (land, S, softmax, P V,
 // release, refill through four buffers) sets the period, and shared memory, which q (72 KB) and the four buffers
 // (144 KB) fill, is the busiest unit (~75% of its peak).
+//
+// The FP8 form (Fp8, a call over an e4m3 pool; its drafts stand apart as items of their own, which run as above on
+// bf16 tiles) computes a prefix item's products in e4m3 wgmma, the keys never widened:
+// - S = q K^T: 36 wgmma m64n32k32 from shared memory, q's two e4m3 terms (hi + lo, verify_q8.cuh: 1,152 bytes a row, in
+//   the bf16 q's bytes and layout) against the e4m3 tile (32 keys x 576 bytes, 64-byte swizzle: 18 KB, so the ring's
+//   bytes hold 8 tiles);
+// - O^T = V^T P^T: each value warpgroup's 256 dims as 4 blocks of wgmma m64n64k32 with V^T from registers
+//   (ldmatrix.trans and byte permutes of the tile, wg::e4m3_vt_fragment) and P^T = 448 P in two e4m3 terms from
+//   shared memory, written by the score warpgroup in the fragments' k order (p8_pair_pos); no lazy reference (P <= 1);
+// - four warpgroups, 512 threads: the score warpgroups gather their own tiles half a ring ahead (no producer), which
+//   leaves 128 registers a thread at launch for the value warpgroups' 176 (kThreads below).
+// Measured on an H100 (H16 N9 P131072, one run): 156 us against 116 for the bf16 kernel and 198 for the form it
+// replaced (keys widened to bf16 in shared memory, beside two bf16 buffers).
 #pragma once
-
-#include <type_traits>
 
 #include "verify_wgmma.cuh"
 
@@ -45,27 +56,44 @@ using wg::kQSlabBytes;
 using wg::kKSteps;
 using wg::kPvSteps;
 
-// Key buffers of the ring (even: each score warpgroup waits only on its own buffers): 4 of bf16 tiles; the FP8 form
-// (below) has 2 beside its e4m3 staging ring in the same bytes.
+// Key buffers of the ring (even: each score warpgroup waits only on its own buffers): 4 bf16 tiles of 32 keys. The FP8
+// form's prefix items (e4m3 tiles, 18 KB) take the same bytes as 8 buffers, their own mbarriers beside the first 4.
+constexpr int kRing = 4;
+constexpr int kRing8 = 8;
+constexpr int kSlab8Bytes = kTileN * 64;          // 2,048: 64 dims of an e4m3 tile's 32 keys, 64-byte swizzle
+constexpr int kTileBytes8 = kSlabs * kSlab8Bytes;  // 18,432
+static_assert(kRing8 * kTileBytes8 == kRing * kTileBytes && kTileBytes8 % 1024 == 0, "e4m3 buffers fill the ring's bytes");
 template <bool Fp8>
-constexpr int kRing = Fp8 ? 2 : 4;
+constexpr int kBars = Fp8 ? kRing8 : kRing;   // mbarriers a buffer: full / empty
 constexpr int kValueThreads = 256;             // the two value warpgroups
-constexpr int kThreads = 640;                  // 2 score + 2 value warpgroups + the producer
-constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;   // 96: the launch's registers a thread, one block per SM
-constexpr int kScoreRegs = 56;
-constexpr int kValueRegs = 160;
-constexpr int kProducerRegs = 48;
+// The FP8 form has no producer warpgroup: its score warpgroups gather the key tiles (each its own tiles, half a ring
+// ahead), so that four warpgroups share the register file: 128 registers a thread at launch, 80 for a score
+// warpgroup and 176 for a value warpgroup, whose e4m3 product takes V^T from registers (128 accumulators and 16
+// fragment registers a thread in one wgmma group; with fewer registers, or the fragments in two groups, ptxas
+// serialises every wgmma of the kernel). With a producer warpgroup (or warp) beside them the launch gives 96.
+template <bool Fp8>
+constexpr int kThreads = Fp8 ? 512 : 640;   // 2 score + 2 value warpgroups (+ the producer warpgroup)
+template <bool Fp8>
+constexpr int kLaunchRegs = (65536 / kThreads<Fp8>) / 8 * 8;   // 96 (bf16), 128 (FP8): one block per SM
+template <bool Fp8>
+constexpr int kScoreRegs = Fp8 ? 80 : 56;
+template <bool Fp8>
+constexpr int kValueRegs = Fp8 ? 176 : 160;
+constexpr int kProducerRegs = 48;   // the bf16 kernel's producer warpgroup
 // what the score and producer warpgroups give back must cover what the value warpgroups take (setmaxnreg.inc waits for
 // it: the block's pool is what it got at launch)
-static_assert(2 * (kValueRegs - kLaunchRegs) <= 2 * (kLaunchRegs - kScoreRegs) + (kLaunchRegs - kProducerRegs),
-              "register pool");
-constexpr int kProducerKeys = 2;               // keys of a tile per producer thread (wg::copy_tile, 8 threads a key)
+template <bool Fp8>
+constexpr bool kRegisterPoolFits = 2 * (kValueRegs<Fp8> - kLaunchRegs<Fp8>) <=
+                                   2 * (kLaunchRegs<Fp8> - kScoreRegs<Fp8>) + (Fp8 ? 0 : kLaunchRegs<Fp8> - kProducerRegs);
+static_assert(kRegisterPoolFits<false> && kRegisterPoolFits<true>, "register pool");
+constexpr int kCopierThreads = 128;   // a tile's copies: the producer warpgroup, or (FP8) its score warpgroup
+constexpr int kProducerKeys = 8 * kTileN / kCopierThreads;    // 2: keys of a bf16 tile a thread (wg::copy_tile)
 // The producer gathers tiles 0 .. kQFirst - 1 of an item, then waits until the item's q has landed before it asks for
 // the rest of the ring, so that q and the first tiles are not queued behind the whole ring (H200: -0.3 to -3.7 us on
 // six shapes against asking for the whole ring at once; with q by TMA, 4 and 2 measure the same).
 constexpr int kQFirst = 2;
-static_assert(kQFirst >= 1 && kQFirst <= kRing<false>, "tiles asked for before q has landed: 1 .. the ring");
-constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A)
+static_assert(kQFirst >= 1 && kQFirst <= kRing, "tiles asked for before q has landed: 1 .. the ring");
+constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A; FP8: hi and lo of P^T)
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 
 // Named barriers (0 is __syncthreads).
@@ -73,7 +101,6 @@ constexpr int kBarBlock = 1;    // score warpgroup 0 and the value warpgroups: r
 constexpr int kBarPFull = 2;    // + s: score warpgroup s arrives, the value warpgroups wait (wake-up)
 constexpr int kBarValues = 4;   // the two value warpgroups: the item's O rows staged in the ring
 constexpr int kBarScore = 5;    // the two score warpgroups: q of the item in shared memory
-constexpr int kBarProducer = 6; // the producer warpgroup (FP8): every thread's reads of an e4m3 stage are done
 
 // tau of the lazy reference maximum (0: the reference is every tile's running maximum, O rescaled whenever it moves).
 // Measured (H200, A/B within one run): tau 8 -1.9% at H16 N9 P131072, -3.1% P185000, -3.3% H128 N9 P32768, -4.5% B8,
@@ -83,17 +110,17 @@ constexpr int kBarProducer = 6; // the producer warpgroup (FP8): every thread's 
 #endif
 static_assert(KDTREE_DUAL_LAZY_RESCALE >= 0, "KDTREE_DUAL_LAZY_RESCALE: 0 (off) or tau > 0");
 
-template <int Ring>
+template <int Bars>
 struct SmemRing {
-  unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item (the struct sits on a 1 KB boundary)
-  unsigned char kv[Ring][kTileBytes];      // 147,456 (4 buffers), 73,728 (2)
+  unsigned char q[kSlabs * kQSlabBytes];   // 73,728: q of the item, bf16 or its e4m3 terms (the struct sits on 1 KB)
+  unsigned char kv[kRing][kTileBytes];     // 147,456: the key ring
   unsigned char p[2][kPBytes];             // P of score warpgroup s's latest tile
   float alpha[2][kBlockM];                 // its rescale factors
   float m[2][kBlockM];                     // the running row maxima after its latest tile
   float xl[kBlockM], xmu[kBlockM];         // score warpgroup 1's row sums at the end of an item, their max
   float row_l[kBlockM];                    // the item's row sums, for the value warpgroups
-  unsigned long long full[Ring];      // tile landed: one arrival per producer thread (128)
-  unsigned long long empty[Ring];     // the value warpgroups are done with the buffer (256 arrivals)
+  unsigned long long full[Bars];      // tile landed: one arrival per producer thread (128)
+  unsigned long long empty[Bars];     // the value warpgroups are done with the buffer (256 arrivals)
   unsigned long long p_full[2];       // P / alpha of score warpgroup s published: 128 arrivals (release)
   unsigned long long p_empty[2];      // consumed: 256 value-thread arrivals (release)
   unsigned long long m_full[2];       // m of score warpgroup s's latest tile published: 128 arrivals
@@ -104,91 +131,179 @@ struct SmemRing {
   int item[2];   // the block's k-th work item in item[k % 2]
   unsigned long long ring_free;       // the producer: the item's rows have left the ring (256 value-thread arrivals)
 };
-
-// The FP8 form (a call over an e4m3 pool): prefix tiles land as 576-byte e4m3 rows in a staging ring of kStages8
-// buffers (bulk copies, one a key, on `landed`), and the producer widens each to bf16 into the 2-buffer key ring, in
-// the layout the bf16 tiles have there; everything downstream of the ring is the bf16 kernel's. The drafts (bf16, from
-// k_new) have items of their own (Params::drafts_apart) and take the bf16 copies into the ring. The staging ring and
-// the two bf16 buffers fill the bytes of the bf16 kernel's four. What that costs (H100, H16 N9 P131072, one run): the
-// bf16 kernel with two buffers instead of four takes 147 us against 117; this kernel 199, and 163 with the widening
-// knocked out: the widen sits on the two-buffer chain (a buffer is refilled only after both P V of its last tile).
-constexpr int kStages8 = 3;
-struct SmemFp8 : SmemRing<2> {
-  alignas(128) unsigned char kv8[kStages8][kTileN * kKeyPitch8];   // 56,832
-  unsigned long long landed[kStages8];   // e4m3 tile staged: 1 arrival (the expected bytes) + the copies' bytes
-};
 template <bool Fp8>
-using Smem = std::conditional_t<Fp8, SmemFp8, SmemRing<4>>;
+using Smem = SmemRing<kBars<Fp8>>;
 template <bool Fp8>
 constexpr size_t kSmemBytesOf = sizeof(Smem<Fp8>) + 1024;   // + room to align the base to 1 KB
 constexpr size_t kSmemBytes = kSmemBytesOf<false>;
 constexpr size_t kSmemBytesFp8 = kSmemBytesOf<true>;
 static_assert(kSmemBytes <= 232448 && kSmemBytesFp8 <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
 static_assert(kPBytes % 512 == 0, "64-byte swizzle atoms (8 rows x 64 B) stay 512 B aligned");
-static_assert(kRing<true> % 2 == 0 && kRing<false> % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
-static_assert(kRing<true> * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
+static_assert(kRing % 2 == 0 && kRing8 % 2 == 0, "a buffer's tiles all belong to one score warpgroup");
+static_assert(kRing * kTileBytes >= kBlockM * 1024, "the ring holds an item's 64 rows of 512 bf16");
 
-// Producer thread i's part of tile t (kProducerKeys keys: wg::copy_tile) into ring buffer b, then its arrival on the
-// buffer's mbarrier once it has landed; nothing past the item's last tile.
+// Copier thread i's part of bf16 tile t (kProducerKeys keys: wg::copy_tile) into ring buffer b, then its arrival on
+// the buffer's mbarrier once it has landed; nothing past the item's last tile.
 template <typename SmemT>
 __device__ __forceinline__ void gather_tile(SmemT& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
                                             const long long (&slot)[kProducerKeys]) {
   wg::copy_tile<kProducerKeys>(smem_u32(&sm.kv[0][0]) + b * kTileBytes, &sm.full[b], prm, cx, t, i, slot);
 }
 
-// FP8: e4m3 tile t of a prefix item into staging buffer t % kStages8: one 576-byte bulk copy a key by the
-// producer's first warp (lane = key; slot: its pool slot id), the zero row past the split end.
-__device__ __forceinline__ void stage_tile8(SmemFp8& sm, const Params& prm, const ItemCtx& cx, int t, int pt,
-                                            long long slot) {
-  const int e = t % kStages8;
-  if (pt == 0) mbar_arrive_expect_tx(&sm.landed[e], kTileN * kDimQK);
-  if (pt < kTileN) {
-    fence_proxy_async();   // the producer's reads of this buffer (generic proxy) before the async writes
-    bulk_copy_g2s(&sm.kv8[e][pt * kKeyPitch8], key_ptr8(prm, cx, cx.k0 + t * kTileN + pt, slot), kDimQK,
-                  &sm.landed[e]);
-  }
-}
-// FP8: the staged e4m3 tile in buffer e widened to bf16 into ring buffer `kv`, in the ring's 128-byte swizzled layout,
-// once wait_buffer() has returned (the buffer's last tile done with). Producer thread pt: key 8 (pt / 32) + pt % 8, its
-// 16-byte e4m3 chunks j = (pt % 32) / 8 + 4 i (dims 16 j ..), each two bf16 chunks of slab j / 4: the 8 lanes of a
-// quarter warp read 8 keys at one offset (the 592-byte pitch puts them in distinct bank groups) and write 8 keys' rows
-// at one chunk (the swizzle does). The chunks go in batches of kWidenBatch loads issued together (the first batch
-// before the wait): the staged and ring buffers are disjoint (__restrict__), which lets a batch's loads pass the
-// previous batch's stores. Against one load at a time: 199 us against 215 at H16 N9 P131072, 82.5 against 87.4 at N1
-// (H100, one run); a batch of all 9 spills at the producer's 48 registers.
-constexpr int kWidenBatch = 3;
-template <typename Wait>
-__device__ __forceinline__ void widen_tile8(const SmemFp8& sm, int e, unsigned char* kv, int pt, Wait wait_buffer) {
-  constexpr int kChunks = kDimQK / 64;   // 9 a thread
-  static_assert(kChunks % kWidenBatch == 0, "whole batches");
-  const int key = ((pt >> 5) << 3) + (pt & 7), sub = (pt >> 3) & 3;
-  const unsigned char* __restrict__ src = &sm.kv8[e][key * kKeyPitch8 + sub * 16];
-  unsigned char* __restrict__ dst = kv + key * 128;
+// ---- the FP8 form's prefix items: e4m3 tiles, e4m3 wgmma for both products ----
+// Copier thread pt's part of e4m3 tile t into the buffer at shared address buf: key pt / 4 (slot: its pool slot id),
+// 16-byte chunk pt % 4 of each of its row's 9 slabs of 64 bytes (a warp's copy: 8 keys x 64 contiguous bytes), in the
+// 64-byte swizzled K-major layout [slab][key][64 B] (chunk c of key r at c ^ (r / 2 % 4)), zeros past the split end;
+// then its arrival on `full` once they have landed. Nothing past the item's last tile.
+__device__ __forceinline__ void copy_tile8(uint32_t buf, unsigned long long* full, const Params& prm, const ItemCtx& cx,
+                                           int t, int pt, long long slot) {
+  static_assert(4 * kTileN == kCopierThreads, "four copier threads a key");
+  if (t >= cx.ntiles) return;
+  const int kt = pt >> 2, cw = pt & 3;
+  const int key = cx.k0 + t * kTileN + kt;
+  const unsigned char* src = static_cast<const unsigned char*>(key_ptr8(prm, cx, key, slot)) + 16 * cw;
+  const uint32_t dst = buf + kt * 64 + ((cw ^ ((kt >> 1) & 3)) << 4);
 #pragma unroll
-  for (int i0 = 0; i0 < kChunks; i0 += kWidenBatch) {
-    uint4 w[kWidenBatch];
-#pragma unroll
-    for (int u = 0; u < kWidenBatch; ++u) w[u] = *reinterpret_cast<const uint4*>(src + (i0 + u) * 64);
-    if (i0 == 0) wait_buffer();
-#pragma unroll
-    for (int u = 0; u < kWidenBatch; ++u) {
-      const int j = sub + 4 * (i0 + u);
-      const uint2 a = e4m3x4_to_bf16x4(w[u].x), b = e4m3x4_to_bf16x4(w[u].y), c = e4m3x4_to_bf16x4(w[u].z),
-                  d = e4m3x4_to_bf16x4(w[u].w);
-      unsigned char* slab = dst + (j >> 2) * kSlabBytes;
-      const int cc = (j & 3) * 2;
-      *reinterpret_cast<uint4*>(slab + ((cc ^ (key & 7)) << 4)) = make_uint4(a.x, a.y, b.x, b.y);
-      *reinterpret_cast<uint4*>(slab + (((cc + 1) ^ (key & 7)) << 4)) = make_uint4(c.x, c.y, d.x, d.y);
-    }
-  }
+  for (int sl = 0; sl < kSlabs; ++sl) cp_async_16z(dst + sl * kSlab8Bytes, src + sl * 64, key < cx.k1 ? 16 : 0);
+  wg::arrive_when_landed(full);
 }
 
-// The dual kernel; Fp8: the form for e4m3 pools (SmemFp8 above), whose calls have their drafts apart: a prefix item's
-// scores are scaled by k_scale and its output by v_scale (SGLang's k_descale / v_descale), a draft item's by neither.
+// S = q K^T over the e4m3 tile at kv: k-steps ks < 18 take q's hi term (bytes 32 ks of its rows, which the prep
+// kernel's q8 rows hold as 1,152 bytes: hi, then lo, in the bf16 q's layout), ks >= 18 its lo term, each against the
+// tile's k32 step ks % 18 (slab (ks % 18) / 2, + 32 bytes for an odd step); the row's 2^e scales the scores after.
+
+__device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const SmemDesc& qd) {
+  wg::wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    const int j = ks % (kDimQK / 32);
+    const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
+    wg::wgmma_m64n32k32_e4m3_ss(sc, da, desc_sw64(kv + (j >> 1) * kSlab8Bytes) + (j & 1) * 2, ks > 0);
+  }
+  wg::wg_commit();
+  wg::wg_wait0();
+}
+
+// The k position in P^T (a term's byte of a query row) of a thread's keys 8j + 2c and 8j + 2c + 1 (the next byte): the
+// k order of the value fragments (wg::e4m3_vt_fragment), where position 4c + i of a 16-key half holds key
+// {2c, 2c+1, 8+2c, 9+2c}[i] (the skinny FP8 kernel's p8_offset; tests/test_fp8_cpu.py checks the two agree).
+__host__ __device__ constexpr int p8_pair_pos(int j, int c) { return 16 * (j >> 1) + 4 * c + 2 * (j & 1); }
+
+// The tile's P as 448 P = hi + lo (two e4m3 terms) into P^T, the B operand of O^T (K-major): query row r's 64 bytes in
+// the 64-byte swizzle, hi at bytes 0..31 and lo at 32..63, each in p8_pair_pos order: key groups j - 1 and j (odd j)
+// make one 32-bit word a row and term. The row sums take what is stored, (hi + lo) / 448. P <= 1 here (no lazy
+// reference: below 2^-9 / 448 an e4m3 term is zero).
+__device__ __forceinline__ void softmax_p8(float (&sc)[16], const float (&m_use)[2], const float (&lfac)[2],
+                                           float (&l_own)[2], uint32_t p, int wrow, int g, int c) {
+  uint32_t w[2][2];         // [half][term]: the word of key groups j - 1, j
+  float rounding[2] = {0.f, 0.f};   // what the stored terms add to the sums beyond P
+  softmax_p_pairs<kTileN / 8>(sc, m_use, lfac, l_own, [&](int j, int half, float p0, float p1) {
+    uint32_t h, l;
+    const float2 stored = split_e4m3x2(448.f * p0, 448.f * p1, h, l);
+    rounding[half] += (stored.x + stored.y) * (1.f / 448.f) - (p0 + p1);
+    if ((j & 1) == 0) {
+      w[half][0] = h & 0xffffu;
+      w[half][1] = l & 0xffffu;
+    } else {
+      static_assert(p8_pair_pos(1, 0) == p8_pair_pos(0, 0) + 2 && p8_pair_pos(3, 3) == p8_pair_pos(2, 3) + 2,
+                    "an odd group's keys follow the even one's in its word");
+      const int r = wrow + g + 8 * half, pos = p8_pair_pos(j - 1, c);   // the word's first byte
+#pragma unroll
+      for (int term = 0; term < 2; ++term)
+        st_shared_u32(p + r * kPRowBytes + (((2 * term + (pos >> 4)) ^ ((r >> 1) & 3)) << 4) + (pos & 15),
+                      w[half][term] | ((term ? l : h) << 16));
+    }
+  });
+  l_own[0] += rounding[0];
+  l_own[1] += rounding[1];
+}
+
+// O^T (value warpgroup v's 256 dims as 4 blocks of 64 x the 64 rows; block mb: o[32 mb ..], accumulator rows g / g + 8
+// of warp w are dims 64 mb + 16 w + 2g / + 1) times the factors of its columns, the rows 8q + 2c, + 1 (q < 8), skipped
+// when the warp's factors are all 1.
+__device__ __forceinline__ void rescale_o_t(float (&o)[128], const float2 (&a)[8]) {
+  bool one = true;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) one = one && a[q].x == 1.f && a[q].y == 1.f;
+  if (__all_sync(0xffffffffu, one)) return;
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      o[32 * mb + 4 * q] *= a[q].x;
+      o[32 * mb + 4 * q + 1] *= a[q].y;
+      o[32 * mb + 4 * q + 2] *= a[q].x;
+      o[32 * mb + 4 * q + 3] *= a[q].y;
+    }
+}
+__device__ __forceinline__ void load_row_pairs(float2 (&a)[8], const float* rows, int c) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) a[q] = *reinterpret_cast<const float2*>(&rows[8 * q + 2 * c]);
+}
+
+// O^T += V^T P^T over the e4m3 tile at kv, value warpgroup v: block mb's A fragment by one ldmatrix.x4.trans of the 32
+// keys x warp w's 16 bytes of slab 4v + mb (lane: key 8 (lane / 8) + lane % 8) and wg::e4m3_vt_fragment; B = P^T's hi
+// (pd), then lo (+ 32 bytes).
+__device__ __forceinline__ void values8(float (&o)[128], uint32_t kv, uint64_t pd, int v, int w, int lane) {
+  const int key = lane;   // ldmatrix: lane l gives row l % 8 of matrix l / 8, matrix mi = keys 8 mi ..
+  const uint32_t row = kv + 4 * v * kSlab8Bytes + key * 64 + ((w ^ ((key >> 1) & 3)) << 4);
+  uint32_t a[4][4];
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb) {
+    uint32_t m[4];
+    ldmatrix_x4_trans(m, row + mb * kSlab8Bytes);
+    wg::e4m3_vt_fragment(m, a[mb]);
+  }
+  wg::wg_fence();
+#pragma unroll
+  for (int term = 0; term < 2; ++term)
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb) wg::wgmma_m64n64k32_e4m3_rs(&o[32 * mb], a[mb], pd + 2 * term);
+  wg::wg_commit();
+  wg::wg_wait0();
+}
+
+// End of a prefix item, value side: O^T times `scale` (v_scale / 448) over the rows' sums into the stage as bf16 (dims
+// 2g, 2g + 1 of a warp's 16 at one row: a 4-byte store), then out as wg::store_o_rows_staged does.
+__device__ __forceinline__ void store_o_t_rows_staged(const Params& prm, const ItemCtx& cx, int w, int lane, int v,
+                                                      const float (&o)[128], const float* row_l, float scale,
+                                                      uint32_t stage, int bar_id, int bar_count) {
+  const int g = lane >> 2, c = lane & 3;
+  float2 inv[8];
+  load_row_pairs(inv, row_l, c);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    inv[q].x = inv[q].x > 0.f ? scale / inv[q].x : 0.f;
+    inv[q].y = inv[q].y > 0.f ? scale / inv[q].y : 0.f;
+  }
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb) {
+    const int dim = 256 * v + 64 * mb + 16 * w + 2 * g;
+#pragma unroll
+    for (int q = 0; q < 8; ++q)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int r = 8 * q + 2 * c + u;
+        const float f = u ? inv[q].y : inv[q].x;
+        st_shared_u32(stage_chunk(stage, r, dim >> 3) + ((dim & 7) << 1),
+                      pack_bf16(o[32 * mb + 4 * q + u] * f, o[32 * mb + 4 * q + 2 + u] * f));
+      }
+  }
+  wg::copy_staged_rows_out(prm, cx, 16 * w, lane, v, stage, bar_id, bar_count);
+}
+
+// The ring buffer of an item's tile t: t % ring (ring: kRing, or kRing8 for the FP8 form's e4m3 tiles).
 template <bool Fp8>
-__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
+__device__ __forceinline__ int ring_buffer(int t, int ring) {
+  return Fp8 ? t & (ring - 1) : t % kRing;
+}
+
+// The dual kernel; Fp8: the form for e4m3 pools, whose calls have their drafts apart: a prefix item runs on e4m3 tiles
+// (the functions above; its scores scaled by k_scale and q's 2^e, its output by v_scale / 448: SGLang's k_descale /
+// v_descale), a draft item as the bf16 kernel's (scaled by neither).
+template <bool Fp8>
+__global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_kernel(const __grid_constant__ Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = kRing<Fp8>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem<Fp8>& sm = wg::smem_1k<Smem<Fp8>>(smem_raw);
   const int tid = threadIdx.x;
@@ -206,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
   const int H = prm.heads;
 
   if (tid == 0) {
-    for (int b = 0; b < kStages; ++b) {
-      mbar_init(&sm.full[b], 128);
+    for (int b = 0; b < kBars<Fp8>; ++b) {
+      mbar_init(&sm.full[b], kCopierThreads);
       mbar_init(&sm.empty[b], kValueThreads);
     }
     for (int i = 0; i < 2; ++i) {
@@ -220,18 +335,16 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     mbar_init(&sm.item_full, 1);
     mbar_init(&sm.q_land, 1);
     mbar_init(&sm.ring_free, kValueThreads);
-    if constexpr (Fp8) {
-      for (int e = 0; e < kStages8; ++e) mbar_init(&sm.landed[e], 1);
-    }
     fence_proxy_async();
   }
   __syncthreads();
 
   if (warp < 8) {
     // =========================== score warpgroups ===========================
-    wg::set_max_regs<kScoreRegs, kLaunchRegs>();
+    wg::set_max_regs<kScoreRegs<Fp8>, kLaunchRegs<Fp8>>();
     const int s = warp >> 2;   // owns tiles t % 2 == s
     uint32_t full_bits = 0u, mf_parity = 0u, pe_parity = 0u;   // l_full completes once per item: parity k & 1
+    uint32_t empty_bits = 0u;   // FP8: the buffers this warpgroup refills
     const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
     for (int k = 0;; ++k) {
       // (the item index goes out on an mbarrier: with __syncthreads between the store and the loads, racecheck
@@ -240,43 +353,93 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       const int nt = cx.ntiles;
+      const bool e4 = Fp8 && !drafts_split(cx);   // e4m3 tiles, q's e4m3 terms
+      const int ring = e4 ? kRing8 : kRing;
       KDTREE_TRACE_ITEM_START;   // (TRACE) just after the item fetch, as the value side's
       KDTREE_DSTART(tid == 0, 0);
+      // FP8: this warpgroup gathers its own tiles (t % 2 == s), half a ring ahead: tile u into buffer u % ring once the
+      // value warpgroups are done with tile u - ring there (empty); copier thread st: copy_tile8 (e4m3 tiles) or
+      // wg::copy_tile (bf16 drafts); slot ids one own tile ahead
+      const int ahead = ring / 2;
+      const int st = tid & 127;
+      long long slot[kProducerKeys];
+      const auto load_slots = [&](int u) {
+        if (e4)
+          slot[0] = wg::tile_key_slot(prm, cx, u, st >> 2);
+        else
+          wg::tile_slots<kProducerKeys>(prm, cx, u, st, slot);
+      };
+      const auto gather = [&](int u) {   // (nothing past the item's last tile)
+        const int b = ring_buffer<Fp8>(u, ring);
+        if (u >= ring) mbar_wait_buffer(sm.empty, empty_bits, b);
+        if (e4)
+          copy_tile8(smem_u32(&sm.kv[0][0]) + b * kTileBytes8, &sm.full[b], prm, cx, u, st, slot[0]);
+        else
+          gather_tile(sm, prm, cx, u, b, st, slot);
+      };
+      if constexpr (Fp8) {
+        // the previous item's rows have left the ring (its value side's staged store; as the producer of the bf16
+        // kernel waits)
+        if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
+      }
 
       // q of the item: nine TMA boxes (64 rows x one 64-column slab each) from one thread (the 256 score threads'
       // 4,608 16-byte copies take ~7,900 clocks to issue beside the first tiles; by TMA q lands at ~3,300-3,800:
       // -7.5% at H16 N9 P8192, ~-1% at P131072, H200), or over the 256 score threads, all copies in flight at once
-      const bool q_tma = prm.q_tma;
+      const bool q_tma = !Fp8 && prm.q_tma;
       if (q_tma) {
         if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land);
       } else {
         // (the thread index read again per item, so that ptxas does not keep this path's per-thread addresses live
         // across the item loop at 56 registers, which spilled them)
-        wg::issue_q_copies(prm, cx, H, sm.q, thread_index_now(), 256);
+        wg::issue_q_copies(prm, cx, H, sm.q, thread_index_now(), 256, e4);
+      }
+      if constexpr (Fp8) {
+        // q's copies in a group of their own (waited for below), then the first tiles (on their mbarriers)
+        cp_async_commit();
+        for (int u = s; u < ahead; u += 2) {
+          load_slots(u);
+          gather(u);
+        }
+        load_slots(s + ahead);
       }
       KDTREE_DSTART(tid == 0, 1);
       if (q_tma) {
         mbar_wait(&sm.q_land, k & 1);   // (rows past the tensor's last are zeros; rows of the next request are
                                         // padding rows here, computed and dropped like zero rows)
+      } else if constexpr (Fp8) {
+        cp_async_wait_group<0>();   // this thread's q copies (its tile copies are in no committed group)
       } else {
         cp_async_wait_all();   // this thread's q copies (the score warpgroups issue no other cp.async)
       }
       KDTREE_DSTART(tid == 0, 2);
       fence_proxy_async();   // read next by wgmma (the async proxy)
-      mbar_arrive(&sm.q_full);   // the producer may ask for the rest of the ring
+      if constexpr (!Fp8) mbar_arrive(&sm.q_full);   // the producer may ask for the rest of the ring
       bar_sync(kBarScore, 256);
       KDTREE_DSTART(tid == 0, 3);
 
+      // the scores' factor (log2 units) of the thread's rows: an e4m3 item's takes k_scale and q's 2^e
+      float rscale[2] = {prm.scale_log2, prm.scale_log2};
+      if (e4) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wrow + g + 8 * half;
+          if (r < cx.rows) rscale[half] *= prm.k_scale * prm.q_scale[(long long)cx.rp.qo_begin * H + cx.row0 + r];
+        }
+      }
       float mu[2] = {-INFINITY, -INFINITY};   // m_use of this warpgroup's latest tile (its sums' reference)
       float l_own[2] = {0.f, 0.f};
       constexpr int kGroups = kTileN / 8;
       float sc[4 * kGroups];
       for (int t = s; t < nt; t += 2) {
         if ((warp & 3) == 0) KDTREE_DTRACE(0);
-        mbar_wait_buffer(sm.full, full_bits, t % kStages);   // every producer thread's copies landed
+        mbar_wait_buffer(sm.full, full_bits, ring_buffer<Fp8>(t, ring));   // every producer thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-        {
-          const SmemDesc kd(smem_u32(&sm.kv[0][0]) + (t % kStages) * kTileBytes, 16, 1024);
+        if (e4) {
+          if ((warp & 3) == 0) KDTREE_DTRACE(8);
+          scores8(sc, smem_u32(&sm.kv[0][0]) + ring_buffer<Fp8>(t, ring) * kTileBytes8, qd);
+        } else {
+          const SmemDesc kd(smem_u32(&sm.kv[0][0]) + ring_buffer<Fp8>(t, ring) * kTileBytes, 16, 1024);
           if ((warp & 3) == 0) KDTREE_DTRACE(8);   // S issued (past the wait for the tile)
           wg::wg_fence();
 #pragma unroll
@@ -291,11 +454,18 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
           wg::wg_commit();
           wg::wg_wait0();
         }
+        if constexpr (Fp8) {   // this warpgroup's tile t + ahead
+          if (t + ahead < nt) {
+            gather(t + ahead);
+            load_slots(t + ahead + 2);
+          }
+        }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
-        scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c,
-                                Fp8 && !drafts_split(cx) ? prm.scale_log2 * prm.k_scale : prm.scale_log2, sc,
-                                tmax);
+        if constexpr (Fp8) {
+          scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, rscale, sc, tmax);
+        } else
+          scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, prm.scale_log2, sc, tmax);
         if ((warp & 3) == 0) KDTREE_DTRACE(9);   // the tile's own row maxima
         // the running maxima: m of the tile before from the other score warpgroup, this tile's published at once
         // (before P)
@@ -309,7 +479,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         if ((warp & 3) == 0) KDTREE_DTRACE(2);
         float m_use[2], alpha[2];
         // m_run: this tile's reference (its m without the lazy reference); alpha rescales O (relative to the last)
-        softmax_advance_tau<KDTREE_DUAL_LAZY_RESCALE>(tmax, m_run, m_use, alpha);
+        if (e4)   // (P <= 1: softmax_p8)
+          softmax_advance_tau<0>(tmax, m_run, m_use, alpha);
+        else
+          softmax_advance_tau<KDTREE_DUAL_LAZY_RESCALE>(tmax, m_run, m_use, alpha);
         if (t + 1 < nt) {   // the other warpgroup's next tile reads it (which orders this store after its read of the last)
           if (c == 0) {
             sm.m[s][wrow + g] = m_run[0];
@@ -326,7 +499,9 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         }
         // P by two stmatrix.x4 per thread (a quarter of the 4-byte stores' instructions): matrix j of half
         // h is rows wrow + 8 h .. + 7, key group j; lane l gives row l % 8 of matrix l / 8
-        {
+        if (e4) {
+          softmax_p8(sc, m_use, lfac, l_own, smem_u32(&sm.p[s][0]), wrow, g, c);
+        } else {
           uint32_t pr[2][4];
           softmax_p_pairs<kGroups>(sc, m_use, lfac, l_own, [&](int j, int half, uint32_t pair) { pr[half][j] = pair; });
           const uint32_t p0 = smem_u32(&sm.p[s][0]);
@@ -366,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
     }
   } else if (warp < 16) {
     // =========================== value warpgroups ===========================
-    wg::set_max_regs<kValueRegs, kLaunchRegs>();
+    wg::set_max_regs<kValueRegs<Fp8>, kLaunchRegs<Fp8>>();
     const int vt = tid - 256;   // 0..255
     const int v = vt >> 7;      // value warpgroup: columns [256 v, 256 v + 256)
     uint32_t full_bits = 0u, pf_bits = 0u;
@@ -376,7 +551,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         KDTREE_TIMELINE_BY(vt == 0, 2, 2);   // (after the block's last stores)
         return;
       }
-      const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
+      const ItemCtx cx0 = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
+      const int nt = cx0.ntiles;
+      const bool e4 = Fp8 && !drafts_split(cx0);   // O^T = V^T P^T on e4m3 tiles (values8)
+      const int ring = e4 ? kRing8 : kRing;
       KDTREE_TRACE_ITEM_START;
       KDTREE_DSTART(vt == 0, 4);
 
@@ -384,9 +562,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
 #pragma unroll
       for (int i = 0; i < 128; ++i) o[i] = 0.f;
 
-      const int nt = cx.ntiles;
       for (int t = 0; t < nt; ++t) {
-        const int b = t % kStages;
+        const int b = ring_buffer<Fp8>(t, ring);
         const int s = t & 1;   // the tile's score warpgroup
         if (warp == 8) KDTREE_DTRACE(4);
         bar_sync(kBarPFull + s, 128 + kValueThreads);   // P / alpha of the tile: wake up ...
@@ -394,46 +571,60 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
         pf_bits ^= 1u << s;
         // alpha loaded right after the acquire, before the wait for the tile's buffer and the proxy fence, so that the
         // load's latency is off the path from P to P V's issue (H200: -0.9% at H16 N9 P131072, -1.1% B8)
-        const float a0 = sm.alpha[s][wrow + g];
-        const float a1 = sm.alpha[s][wrow + g + 8];
-        mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
-        if (warp == 8) KDTREE_DTRACE(5);
-        // the tile's V is read by wgmma (the async proxy), and so is P, whose writer fences nothing: this fence follows
-        // the acquire of p_full, so it must stay after both waits
-        fence_proxy_async();
-        wg::rescale_o(o, a0, a1);
-        {
-          const uint64_t pd = desc_sw64(smem_u32(&sm.p[s][0]));
-          const SmemDesc vd(smem_u32(&sm.kv[0][0]) + b * kTileBytes + (4 * v) * kSlabBytes, kSlabBytes, 1024);
-          wg::wg_fence();
+        if (e4) {
+          float2 a[8];   // O^T: the factors of the thread's 16 columns
+          load_row_pairs(a, sm.alpha[s], c);
+          mbar_wait_buffer(sm.full, full_bits, b);
+          fence_proxy_async();   // (as below)
+          rescale_o_t(o, a);
+          values8(o, smem_u32(&sm.kv[0][0]) + b * kTileBytes8, desc_sw64(smem_u32(&sm.p[s][0])), v, warp & 3, lane);
+        } else {
+          const float a0 = sm.alpha[s][wrow + g];
+          const float a1 = sm.alpha[s][wrow + g + 8];
+          mbar_wait_buffer(sm.full, full_bits, b);   // landed (its score warpgroup saw it already)
+          if (warp == 8) KDTREE_DTRACE(5);
+          // the tile's V is read by wgmma (the async proxy), and so is P, whose writer fences nothing: this fence follows
+          // the acquire of p_full, so it must stay after both waits
+          fence_proxy_async();
+          wg::rescale_o(o, a0, a1);
+          {
+            const uint64_t pd = desc_sw64(smem_u32(&sm.p[s][0]));
+            const SmemDesc vd(smem_u32(&sm.kv[0][0]) + b * kTileBytes + (4 * v) * kSlabBytes, kSlabBytes, 1024);
+            wg::wg_fence();
 #pragma unroll
-          for (int kk = 0; kk < kPvSteps; ++kk) {
-            if constexpr (kExpNoPvMma) continue;   // profiling aid: skip P V
-            const uint64_t da = pd + ((kk * 32) >> 4);
-            wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
-            wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kSlabBytes + kk * 16 * 128));
+            for (int kk = 0; kk < kPvSteps; ++kk) {
+              if constexpr (kExpNoPvMma) continue;   // profiling aid: skip P V
+              const uint64_t da = pd + ((kk * 32) >> 4);
+              wg::wgmma_m64n128k16_ss_bt(&o[0], da, vd.at(kk * 16 * 128));
+              wg::wgmma_m64n128k16_ss_bt(&o[64], da, vd.at(2 * kSlabBytes + kk * 16 * 128));
+            }
+            wg::wg_commit();
+            if (warp == 8) KDTREE_DTRACE(10);   // P V issued
+            wg::wg_wait0();
+            if (warp == 8) KDTREE_DTRACE(11);   // P V done
+            if (warp == 12) KDTREE_DTRACE(14);   // value warpgroup 1's P V done
           }
-          wg::wg_commit();
-          if (warp == 8) KDTREE_DTRACE(10);   // P V issued
-          wg::wg_wait0();
-          if (warp == 8) KDTREE_DTRACE(11);   // P V done
-          if (warp == 12) KDTREE_DTRACE(14);   // value warpgroup 1's P V done
         }
         // release: its score warpgroup writes P / alpha again (its tile after next)
         if (t + 2 < nt) mbar_arrive(&sm.p_empty[s]);
-        if (t + kStages < nt)   // the producer refills the buffer: tile t + kStages
+        if (t + ring < nt)   // the producer (FP8: the tile's score warpgroup) refills the buffer: tile t + ring
           mbar_arrive(&sm.empty[b]);
         if (warp == 8) KDTREE_DTRACE(7);
       }
       bar_sync(kBarBlock, 128 + kValueThreads);   // row_l written by score warpgroup 0 (which only arrives)
-      if constexpr (Fp8) {   // a prefix item's values count v_scale times their e4m3 (skipped where it is 1)
-        if (!drafts_split(cx)) wg::rescale_o(o, prm.v_scale, prm.v_scale);
-      }
+      // the FP8 form reads the item's context again for its stores: kept across the tile loop, its registers make
+      // ptxas serialise every wgmma of the kernel in the profiling build (KDTREE_EXP_TRACE; tools/wgmma_check.sh)
+      const ItemCtx cx = Fp8 ? item_ctx<kBlockM, kTileN, Fp8>(prm, item) : cx0;
       KDTREE_ITEM_STORE_BEGIN(vt == 255);
       // the ring's first 64 KB hold the rows on their way out (wg::store_o_rows_staged): every tile's S and
       // P V is done (the score side's last S before its P, which the value side consumed), no copy is in flight (none
       // past the item's last tile), and the next item's copies start after the closing barrier
-      wg::store_o_rows_staged(prm, cx, wrow, lane, v, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarValues, kValueThreads);
+      if (e4)   // (P^T held 448 P; the values count v_scale times their e4m3)
+        store_o_t_rows_staged(prm, cx, warp & 3, lane, v, o, sm.row_l, prm.v_scale * (1.f / 448.f),
+                              smem_u32(&sm.kv[0][0]), kBarValues, kValueThreads);
+      else
+        wg::store_o_rows_staged(prm, cx, wrow, lane, v, o, sm.row_l, smem_u32(&sm.kv[0][0]), kBarValues,
+                                kValueThreads);
       mbar_arrive(&sm.ring_free);   // (release: this thread's reads of the ring are done)
       sync_block_roles();
       KDTREE_ITEM_STORE_END(vt == 255);
@@ -442,76 +633,45 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_dual_kernel(c
       // spilled)
       if (vt == 255) signal_item_done(prm, cx);
     }
-  } else {
+  } else if constexpr (!Fp8) {
     // =========================== producer warpgroup ===========================
     // every tile of the item in order: 0 .. kQFirst - 1 at once, the rest of the first ring once q has landed, then
-    // tile t into buffer t % kStages once both value warpgroups are done with tile t - kStages there; producer thread
+    // tile t into buffer t % kRing once both value warpgroups are done with tile t - kRing there; producer thread
     // pt copies chunk pt % 8 of every slab of keys pt / 8 and pt / 8 + 16, and loads the slot ids two tiles ahead
     // (ids loaded one tile ahead wait behind that tile's cp.async: two ahead is 1.3-1.8% faster at P131072, H200)
-    wg::set_max_regs<kProducerRegs, kLaunchRegs>();
+    wg::set_max_regs<kProducerRegs, kLaunchRegs<Fp8>>();
     const int pt = tid - 512;   // 0..127
-    uint32_t empty_bits = 0u, landed_bits = 0u;
+    uint32_t empty_bits = 0u;
     for (int k = 0;; ++k) {
       const int item = wg::wait_item(k, sm.item, &sm.item_full);   // the score side's item fetch (acquire)
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       const int nt = cx.ntiles;
       KDTREE_TRACE_ITEM_START;
-      if constexpr (Fp8) {
-        if (!drafts_split(cx)) {
-          // a prefix item: tile t staged in e4m3 (kStages8 ahead), then widened into ring buffer t % 2 once the value
-          // warpgroups are done with tile t - 2 there. The staging ring is not the output's stage: its first tiles
-          // go out before the previous item's rows have left the key ring.
-          auto slot_of = [&](int t) { return pt < kTileN ? wg::tile_key_slot(prm, cx, t, pt) : 0ll; };
-          long long slot = slot_of(0);
-#pragma unroll
-          for (int t = 0; t < kStages8; ++t) {
-            const long long next = slot_of(t + 1);
-            if (t < nt) stage_tile8(sm, prm, cx, t, pt, slot);
-            slot = next;   // (warp 0: tile t + 1's)
-          }
-          if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
-          for (int t = 0; t < nt; ++t) {
-            const int e = t % kStages8, b = t % kStages;
-            mbar_wait_buffer(sm.landed, landed_bits, e);
-            widen_tile8(sm, e, &sm.kv[b][0], pt, [&] {
-              if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
-            });
-            mbar_arrive(&sm.full[b]);   // (release: the score side's fence after its wait orders the tile for wgmma)
-            if (t + kStages8 < nt) {
-              bar_sync(kBarProducer, 128);   // every producer thread is done reading buffer e
-              stage_tile8(sm, prm, cx, t + kStages8, pt, slot);
-              slot = slot_of(t + kStages8 + 1);
-            }
-          }
-          sync_block_roles();   // as below
-          continue;
-        }
-      }
       long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);
       // the previous item's rows have left the ring (ordered by the barrier below as well, but compute-sanitizer's
       // racecheck does not take a barrier between roles for a hand-off: an mbarrier it does)
       if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
-      // (q_full completes once per item: parity k & 1; the bf16 kernel waits for it in every item, also when the item
-      // has no more than kQFirst tiles, the FP8 form, whose ring is no longer than kQFirst, never)
-      const int n_issue = kQFirst < kStages && nt <= kQFirst ? kQFirst + 1 : nt;
+      // (q_full completes once per item: parity k & 1; the producer waits for it in every item, also when the item
+      // has no more than kQFirst tiles)
+      const int n_issue = kQFirst < kRing && nt <= kQFirst ? kQFirst + 1 : nt;
       for (int t = 0; t < n_issue; ++t) {
         if (warp == 16) KDTREE_DTRACE(15);   // (TRACE) the producer's loop top: the last tile's slot ids moved in
         wg::tile_slots<kProducerKeys>(prm, cx, t + 2, pt, ahead);
-        if (kQFirst < kStages && t == kQFirst) {
+        if (kQFirst < kRing && t == kQFirst) {
           KDTREE_DSTART(pt == 0, 6);
           mbar_wait(&sm.q_full, k & 1);
         }
-        const int b = t % kStages;
+        const int b = t % kRing;
         if (warp == 16) KDTREE_DTRACE(13);   // (TRACE) the producer's wait for the buffer starts
-        if (t >= kStages) mbar_wait_buffer(sm.empty, empty_bits, b);
+        if (t >= kRing) mbar_wait_buffer(sm.empty, empty_bits, b);
         if (warp == 16) KDTREE_DTRACE(6);   // (TRACE) tile t's copies start
         gather_tile(sm, prm, cx, t, b, pt, slot);   // (nothing at t >= nt)
         if (warp == 16) KDTREE_DTRACE(12);   // (and issued)
         if (t == 0) KDTREE_DSTART(pt == 0, 5);
-        if (t == kStages - 1) KDTREE_DSTART(pt == 0, 7);
+        if (t == kRing - 1) KDTREE_DSTART(pt == 0, 7);
 #pragma unroll
         for (int h = 0; h < kProducerKeys; ++h) {
           slot[h] = next[h];

@@ -4,6 +4,8 @@
 // to the combine.
 #pragma once
 
+#include <type_traits>
+
 #include "verify_common.cuh"
 #include "verify_plan.cuh"
 #include "verify_profiling.cuh"
@@ -115,14 +117,16 @@ __device__ __forceinline__ float& score_at(float (&v)[N], int j, int e) { return
 template <int G>
 __device__ __forceinline__ float& score_at(float (&v)[G][4], int j, int e) { return v[j][e]; }
 
-// Scale the tile's scores to log2 units (times `scale`: Params::scale_log2, or that times k_scale), mask them, and take
-// the maxima of the thread's two rows. A plain
+// Scale the tile's scores to log2 units (times `scale`: Params::scale_log2, or that times k_scale; or a factor per row
+// of the thread's two, row_scale), mask them, and take the maxima of the thread's two rows. A plain
 // tile (all prefix keys inside the split) needs no mask and takes the short path; otherwise the rows'
 // verify tokens are found once and each key tested against them. Groups: the thread's n8 key groups (keys
 // key0 .. key0 + 8 Groups - 1).
-template <int Groups = kTileN / 8, typename Scores>
+__device__ __forceinline__ float row_scale(float scale, int) { return scale; }
+__device__ __forceinline__ float row_scale(const float (&scale)[2], int half) { return scale[half]; }
+template <int Groups = kTileN / 8, typename Scores, typename Scale>
 __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx& cx, int H, int key0, int r0, int c,
-                                               float scale, Scores& v, float (&tmax)[2]) {
+                                               const Scale& scale, Scores& v, float (&tmax)[2]) {
   tmax[0] = tmax[1] = -INFINITY;
   const bool plain = key0 + Groups * 8 <= cx.k1 && key0 + Groups * 8 <= cx.rp.p;
   if (plain) {
@@ -131,7 +135,7 @@ __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx&
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& x = score_at(v, j, e);
-        x *= scale;
+        x *= row_scale(scale, e >> 1);
         tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
       }
   } else {
@@ -141,7 +145,7 @@ __device__ __forceinline__ void scale_mask_max(const Params& prm, const ItemCtx&
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& x = score_at(v, j, e);
-        x = key_visible_n(prm, cx, key0 + j * 8 + 2 * c + (e & 1), rn[e >> 1]) ? x * scale : -INFINITY;
+        x = key_visible_n(prm, cx, key0 + j * 8 + 2 * c + (e & 1), rn[e >> 1]) ? x * row_scale(scale, e >> 1) : -INFINITY;
         tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
       }
   }
@@ -211,6 +215,8 @@ __device__ __forceinline__ void move_sums_reference(float (&mu)[2], const float 
 // The tile's P = 2^(score - m_use) for the thread's 4 x Groups scores, as bf16 pairs handed to sink(j, half, pair)
 // (key group j, row r0 / r0 + 8 for half 0 / 1, keys 2c / 2c + 1), and the rows' running sums advanced:
 // l = alpha * l + this thread's part of the tile's row sums.
+// A sink that takes the pair as floats, sink(j, half, p0, p1), gets them unpacked (the dual kernel's e4m3 P^T, which
+// rounds them and accounts for the rounding in the sums itself).
 template <int Groups = kTileN / 8, typename Scores, typename Sink>
 __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[2], const float (&alpha)[2],
                                                 float (&l_run)[2], Sink sink) {
@@ -222,7 +228,10 @@ __device__ __forceinline__ void softmax_p_pairs(Scores& v, const float (&m_use)[
       const float p0 = fast_exp2(score_at(v, j, 2 * half) - m_use[half]);
       const float p1 = fast_exp2(score_at(v, j, 2 * half + 1) - m_use[half]);
       psum[half] += p0 + p1;
-      sink(j, half, pack_bf16(p0, p1));
+      if constexpr (std::is_invocable_v<Sink, int, int, float, float>)
+        sink(j, half, p0, p1);
+      else
+        sink(j, half, pack_bf16(p0, p1));
     }
   }
 #pragma unroll

@@ -95,10 +95,10 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
       return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages, kdtree::MmaWide, true>, kdtree::MmaWide::kThreads,
               sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
     case KDTREE_KERNEL_DUAL:
-      return {kdtree::dual::kdtree_verify_split_dual_kernel<false>, kdtree::dual::kThreads, kdtree::dual::kSmemBytes,
+      return {kdtree::dual::kdtree_verify_split_dual_kernel<false>, kdtree::dual::kThreads<false>, kdtree::dual::kSmemBytes,
               kdtree::wg::kBlockM, kdtree::wg::kTileN};
     case KDTREE_KERNEL_DUAL_FP8:
-      return {kdtree::dual::kdtree_verify_split_dual_kernel<true>, kdtree::dual::kThreads, kdtree::dual::kSmemBytesFp8,
+      return {kdtree::dual::kdtree_verify_split_dual_kernel<true>, kdtree::dual::kThreads<true>, kdtree::dual::kSmemBytesFp8,
               kdtree::wg::kBlockM, kdtree::wg::kTileN};
     case KDTREE_KERNEL_SKINNY:
       return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
@@ -544,8 +544,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  const bool dual = call == KDTREE_KERNEL_DUAL || call == KDTREE_KERNEL_DUAL_FP8;
-  prm.q_tma = dev.q_tma && dual && build_q_maps(prm, p);   // (only the dual kernels read them)
+  // (only the bf16 dual kernel reads them: the FP8 form's prefix items read q's e4m3 terms, and its q copies are all of
+  // one kind, which its q mbarrier's parity counts on)
+  prm.q_tma = dev.q_tma && call == KDTREE_KERNEL_DUAL && build_q_maps(prm, p);
   // every e4m3 call runs an FP8 kernel, and all of them, like the scaled one, take the drafts apart
   prm.drafts_apart = p->kv_dtype == KDTREE_KV_E4M3 || call == KDTREE_KERNEL_MMA_SCALED;
   prm.k_scale = p->k_scale;
@@ -558,7 +559,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.plan_blocks = p->reuse_plan ? 0 : 1;
   prm.pack_blocks = (int)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
   const long long rows = (long long)p->num_tokens * p->num_heads;
-  const int q_blocks = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_SKINNY_FP8
+  const int q_blocks = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_SKINNY_FP8 || call == KDTREE_KERNEL_DUAL_FP8
                            ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock)
                            : 0;
   const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);

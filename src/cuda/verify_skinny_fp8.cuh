@@ -87,26 +87,6 @@ __device__ __forceinline__ uint64_t q_at(const SmemDesc& qd, int off) {
   return qd.at((off >> 7) * kQSlabBytes + (off & 127));
 }
 
-// A product whose A fragments come from registers, in NG groups of Steps fragments: load(grp, a) fills group grp's
-// fragments (ldmatrix, byte permutes), mma(grp, a) issues its wgmmas. Two groups are in flight: a group's loads run
-// while the wgmmas of the one before execute, and its registers are written again once their group has completed
-// (wait_group 1). Measured on an H100 at H16 N1 P131072 with the keys widened to f16 in registers (a form this
-// kernel replaced): a group a k-step, each waited for, 69.1 us; grouped so, 59.1. Three groups in flight, or twice the
-// S^T fragments a group, are within 1.3% (and with three, ptxas serialises S^T's wgmma).
-template <int NG, int Steps, class Load, class Mma>
-__device__ __forceinline__ void pipelined(Load load, Mma mma) {
-  uint32_t a[2][Steps][4];
-#pragma unroll
-  for (int grp = 0; grp < NG; ++grp) {
-    load(grp, a[grp & 1]);
-    wg::wg_fence();
-    mma(grp, a[grp & 1]);
-    wg::wg_commit();
-    wg::wg_wait<1>();
-  }
-  wg::wg_wait0();
-}
-
 constexpr int kSLoads = 3;   // k32 steps per group of S^T (one ldmatrix.x4 each; a bf16 group: 2 kSLoads k16 steps)
 static_assert((kDimQK / 32) % kSLoads == 0, "whole groups");
 
@@ -118,7 +98,7 @@ __device__ __forceinline__ void scores_e4m3(float (&s)[8], uint32_t kv, const Sm
   const uint32_t row = kv + (warp * 16 + r + 8 * (mi & 1)) * kKeyPitch8 + 16 * (mi >> 1);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
-  pipelined<kDimQK / 32 / kSLoads, kSLoads>(
+  wg::pipelined<kDimQK / 32 / kSLoads, kSLoads>(
       [&](int grp, uint32_t(&a)[kSLoads][4]) {
 #pragma unroll
         for (int u = 0; u < kSLoads; ++u) ldmatrix_x4(a[u], row + 32 * (grp * kSLoads + u));
@@ -143,26 +123,21 @@ __host__ __device__ __forceinline__ int p8_offset(int col, int key) {
 }
 
 // O^T += V^T P^T over an e4m3 tile, two value blocks a group: value block mb, k32 step ss by one ldmatrix.x4.trans
-// (matrices: keys 0-7, 8-15, 16-23, 24-31 of the step x the warp's 16 value bytes); thread (g, c) holds keys 2c, 2c + 1
-// x dims 2g, 2g + 1 of each, and the byte permutes 0x6420 / 0x7531 of a matrix pair give keys 2c, 2c + 1, 8 + 2c,
-// 9 + 2c at dim 2g / 2g + 1: a0 / a1 from the first pair, a2 / a3 from the second; times hi(P) and lo(P).
+// (matrices: keys 0-7, 8-15, 16-23, 24-31 of the step x the warp's 16 value bytes) and the byte permutes of
+// wg::e4m3_vt_fragment; times hi(P) and lo(P).
 __device__ __forceinline__ void values_e4m3(float (&o)[kVBlocks][8], uint32_t kv, const SmemDesc& pd_hi,
                                             const SmemDesc& pd_lo, int warp, int lane) {
   const int mi = lane >> 3, r = lane & 7;
   const uint32_t col = kv + (8 * mi + r) * kKeyPitch8 + 16 * warp;
   constexpr int kPairs = kVBlocks / 2;
-  pipelined<2 * kPairs, 2>(
+  wg::pipelined<2 * kPairs, 2>(
       [&](int grp, uint32_t(&a)[2][4]) {
         const int ss = grp / kPairs;
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
           uint32_t m[4];
           ldmatrix_x4_trans(m, col + 32 * ss * kKeyPitch8 + 64 * (2 * (grp % kPairs) + v));
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            a[v][2 * h] = __byte_perm(m[2 * h], m[2 * h + 1], 0x6420);       // dim 2g: keys 2c, 2c+1, 8+2c, 9+2c
-            a[v][2 * h + 1] = __byte_perm(m[2 * h], m[2 * h + 1], 0x7531);   // dim 2g + 1
-          }
+          wg::e4m3_vt_fragment(m, a[v]);
         }
       },
       [&](int grp, const uint32_t(&a)[2][4]) {
@@ -206,7 +181,7 @@ __device__ __forceinline__ void scores_bf16(float (&s)[8], uint32_t kv, const Sm
   const uint32_t row = kv + (warp * 16 + r + 8 * (mi & 1)) * kPitch16 + 16 * (mi >> 1);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
-  pipelined<kDimQK / 32 / kSLoads, 2 * kSLoads>(
+  wg::pipelined<kDimQK / 32 / kSLoads, 2 * kSLoads>(
       [&](int grp, uint32_t(&a)[2 * kSLoads][4]) {
 #pragma unroll
         for (int u = 0; u < 2 * kSLoads; ++u) {
@@ -230,7 +205,7 @@ __device__ __forceinline__ void values_bf16(float (&o)[kVBlocks][8], uint32_t kv
   const int mi = lane >> 3, r = lane & 7;
   const uint32_t col = kv + (r + 8 * (mi >> 1)) * kPitch16 + 32 * warp + 16 * (mi & 1);
   constexpr int kSteps = kDraftKeys / 16;
-  pipelined<kVBlocks / 2, 2 * kSteps>(
+  wg::pipelined<kVBlocks / 2, 2 * kSteps>(
       [&](int grp, uint32_t(&a)[2 * kSteps][4]) {
 #pragma unroll
         for (int v = 0; v < 2; ++v)

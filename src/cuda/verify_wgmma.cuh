@@ -107,6 +107,58 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_bt(float* d, uint64_t desc_a
       : "l"(desc_a), "l"(desc_b));
 }
 
+// D[64 x 32] (+)= A[64 x 32] * B[32 x 32], e4m3, both in shared memory (K-major), fp32 accumulate: a k32 step of the
+// dual kernel's S = q K^T over an e4m3 tile (FP8 form), one e4m3 term of q.
+__device__ __forceinline__ void wgmma_m64n32k32_e4m3_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 64] += A[64 x 32] (registers) * B[32 x 64] (shared memory, K-major), e4m3, fp32 accumulate: a block of 64
+// value dims of the dual kernel's O^T = V^T P^T over an e4m3 tile (FP8 form), one e4m3 term of P.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float* d, const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// The A fragment of O^T = V^T P^T over e4m3 values from one ldmatrix.x4.trans (b16) of 32 keys x a warp's 16 value
+// bytes (matrices: keys 0-7, 8-15, 16-23, 24-31): thread (g, c) holds keys 2c, 2c + 1 x dims 2g, 2g + 1 of each, and
+// two byte permutes a matrix pair give keys 2c, 2c + 1, 8 + 2c, 9 + 2c at dim 2g (0x6420) and at 2g + 1 (0x7531). So the
+// fragment's rows g / g + 8 are dims 2g / 2g + 1 of the warp's 16, and its k positions 4c .. 4c + 3 (16 + 4c ..) are
+// those keys (+ 16): the order P^T is stored in (sk8::p8_offset; the dual kernel's FP8 form).
+__device__ __forceinline__ void e4m3_vt_fragment(const uint32_t (&m)[4], uint32_t (&a)[4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    a[2 * h] = __byte_perm(m[2 * h], m[2 * h + 1], 0x6420);
+    a[2 * h + 1] = __byte_perm(m[2 * h], m[2 * h + 1], 0x7531);
+  }
+}
+
+// A product whose A fragments come from registers, in NG groups of Steps fragments: load(grp, a) fills group grp's
+// fragments (ldmatrix, byte permutes), mma(grp, a) issues its wgmmas. Two groups are in flight: a group's loads run
+// while the wgmmas of the one before execute, and its registers are written again once their group has completed
+// (wait_group 1). Measured on an H100 at H16 N1 P131072 with the skinny FP8 kernel's keys widened to f16 in registers
+// (a form it replaced): a group a k-step, each waited for, 69.1 us; grouped so, 59.1. Three groups in flight, or twice the
+// S^T fragments a group, are within 1.3% (and with three, ptxas serialises S^T's wgmma).
+template <int NG, int Steps, class Load, class Mma>
+__device__ __forceinline__ void pipelined(Load load, Mma mma) {
+  uint32_t a[2][Steps][4];
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+    load(grp, a[grp & 1]);
+    wg_fence();
+    mma(grp, a[grp & 1]);
+    wg_commit();
+    wg_wait<1>();
+  }
+  wg_wait0();
+}
+
 // q of a work item into shared memory by asynchronous copies (all in flight at once): Rows rows (64, or the
 // skinny kernel's 16) x 72 chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs of Rows x 128 B),
 // zeros for padding rows, thread `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
@@ -267,6 +319,16 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
     }
   }
 }
+// The second half of store_o_rows_staged (and of the FP8 form's O^T store, verify_dual.cuh): once every staging thread
+// is past `bar_id`, each warp copies rows wrow / 16, + 4, ... of its warpgroup's 256 columns out, 16 B a lane.
+__device__ __forceinline__ void copy_staged_rows_out(const Params& prm, const ItemCtx& cx, int wrow, int lane, int v,
+                                                     uint32_t stage, int bar_id, int bar_count) {
+  bar_sync(bar_id, bar_count);
+  const int wv = (wrow >> 4);   // the warp within its warpgroup: rows wv, wv + 4, ...
+  for (int r = wv; r < cx.rows; r += 4) {
+    *reinterpret_cast<uint4*>(result_row(prm, cx, r) + 256 * v + 8 * lane) = ld_shared_v4(stage_chunk(stage, r, 32 * v + lane));
+  }
+}
 // End of an item, value side: the thread's two rows of O (value columns [256 v, 256 v + 256)) divided by the rows'
 // sums row_l (stored by the score side), into their result rows, through shared memory: `stage` (64 rows x
 // 1 KB, free until the item's closing barrier) takes the thread's rows as bf16 by stmatrix, then each warp copies whole
@@ -297,11 +359,7 @@ __device__ __forceinline__ void store_o_rows_staged(const Params& prm, const Ite
     }
     stmatrix_x4(stage_chunk(stage, wrow + 8 * (mi & 1) + mr, 32 * v + j + (mi >> 1)), r);
   }
-  bar_sync(bar_id, bar_count);
-  const int wv = (wrow >> 4);   // the warp within its warpgroup: rows wv, wv + 4, ...
-  for (int r = wv; r < cx.rows; r += 4) {
-    *reinterpret_cast<uint4*>(result_row(prm, cx, r) + 256 * v + 8 * lane) = ld_shared_v4(stage_chunk(stage, r, 32 * v + lane));
-  }
+  copy_staged_rows_out(prm, cx, wrow, lane, v, stage, bar_id, bar_count);
 }
 
 }  // namespace wg
