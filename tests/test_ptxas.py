@@ -60,19 +60,26 @@ def _compiled(arch, tmp_path_factory):
     return _COMPILED[arch]
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
-def test_no_kernel_spills(arch, tmp_path_factory):
-    """Registers and spills of every kernel, as the default build compiles them."""
-    _, report = _compiled(arch, tmp_path_factory)
-    spills, kernel = {}, None
+def _per_kernel(report, pattern):
+    """{mangled kernel name: the last match of `pattern` in its part of ptxas's -v report}."""
+    found, kernel = {}, None
     for line in report.splitlines():
         m = re.search(r"Compiling entry function '(\S+)' for '(\w+)'", line)
         if m:
             kernel = m.group(1)
             continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        m = re.search(pattern, line)
         if m and kernel:
-            spills[kernel] = max(int(m.group(1)), int(m.group(2)))
+            found[kernel] = m
+    return found
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_no_kernel_spills(arch, tmp_path_factory):
+    """Registers and spills of every kernel, as the default build compiles them."""
+    _, report = _compiled(arch, tmp_path_factory)
+    spills = {k: max(int(m.group(1)), int(m.group(2)))
+              for k, m in _per_kernel(report, r"(\d+) bytes spill stores, (\d+) bytes spill loads").items()}
     assert any("split_fp8_kernel" in k for k in spills) and any("combine_kernel" in k for k in spills), spills
     bad = {k: v for k, v in spills.items() if v > SPILL_ALLOWANCE.get((arch, k), 0)}
     assert not bad, f"{arch}: kernels that spill (bytes): {bad}"
@@ -81,15 +88,7 @@ def test_no_kernel_spills(arch, tmp_path_factory):
 def test_setmaxnreg_kernels_launch_with_the_registers_they_share(tmp_path_factory):
     """Would the block's warpgroups deadlock in setmaxnreg.inc? (sm_90a, as the default build compiles it.)"""
     _, report = _compiled("sm_90a", tmp_path_factory)
-    used, kernel = {}, None
-    for line in report.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)' for '(\w+)'", line)
-        if m:
-            kernel = m.group(1)
-            continue
-        m = re.search(r"Used (\d+) registers", line)
-        if m and kernel:
-            used[kernel] = int(m.group(1))
+    used = {k: int(m.group(1)) for k, m in _per_kernel(report, r"Used (\d+) registers").items()}
     assert {k: used.get(k) for k in LAUNCH_REGISTERS} == LAUNCH_REGISTERS
 
 
