@@ -179,7 +179,7 @@ def test_validate_fp8_bound_holds_sglang_numerics_and_catches_a_wrong_row(sg_pat
 
 def test_fp8_value_fragments_follow_the_p_order(tmp_path):
     """The e4m3 O^T = V^T P^T of the skinny FP8 kernel (verify_skinny_fp8.cuh, values_e4m3) and of the dual kernel's FP8
-    form (verify_dual.cuh, values8) builds its A fragments from ldmatrix.trans (b16) of the staged key rows and two byte
+    form (verify_dual_fp8.cuh, values8) builds its A fragments from ldmatrix.trans (b16) of the key rows and two byte
     permutes (wg::e4m3_vt_fragment), and stores P^T in the k order those fragments have (the skinny kernel's p8_offset,
     the dual's p8_pair_pos). A model of ldmatrix.trans and of the A fragment of wgmma m64nNk32 (byte b of register j of
     thread (g, c): row g + 8 (j & 1), k 16 (j >> 1) + 4c + b), with the permute selectors read from the source and

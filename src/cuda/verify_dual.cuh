@@ -40,6 +40,7 @@
 // replaced (keys widened to bf16 in shared memory, beside two bf16 buffers).
 #pragma once
 
+#include "verify_dual_fp8.cuh"
 #include "verify_wgmma.cuh"
 
 namespace kdtree {
@@ -60,8 +61,6 @@ using wg::kPvSteps;
 // form's prefix items (e4m3 tiles, 18 KB) take the same bytes as 8 buffers, their own mbarriers beside the first 4.
 constexpr int kRing = 4;
 constexpr int kRing8 = 8;
-constexpr int kSlab8Bytes = kTileN * 64;          // 2,048: 64 dims of an e4m3 tile's 32 keys, 64-byte swizzle
-constexpr int kTileBytes8 = kSlabs * kSlab8Bytes;  // 18,432
 static_assert(kRing8 * kTileBytes8 == kRing * kTileBytes && kTileBytes8 % 1024 == 0, "e4m3 buffers fill the ring's bytes");
 template <bool Fp8>
 constexpr int kBars = Fp8 ? kRing8 : kRing;   // mbarriers a buffer: full / empty
@@ -86,7 +85,6 @@ template <bool Fp8>
 constexpr bool kRegisterPoolFits = 2 * (kValueRegs<Fp8> - kLaunchRegs<Fp8>) <=
                                    2 * (kLaunchRegs<Fp8> - kScoreRegs<Fp8>) + (Fp8 ? 0 : kLaunchRegs<Fp8> - kProducerRegs);
 static_assert(kRegisterPoolFits<false> && kRegisterPoolFits<true>, "register pool");
-constexpr int kCopierThreads = 128;   // a tile's copies: the producer warpgroup, or (FP8) its score warpgroup
 constexpr int kProducerKeys = 8 * kTileN / kCopierThreads;    // 2: keys of a bf16 tile a thread (wg::copy_tile)
 // The producer gathers tiles 0 .. kQFirst - 1 of an item, then waits until the item's q has landed before it asks for
 // the rest of the ring, so that q and the first tiles are not queued behind the whole ring (H200: -0.3 to -3.7 us on
@@ -94,6 +92,7 @@ constexpr int kProducerKeys = 8 * kTileN / kCopierThreads;    // 2: keys of a bf
 constexpr int kQFirst = 2;
 static_assert(kQFirst >= 1 && kQFirst <= kRing, "tiles asked for before q has landed: 1 .. the ring");
 constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A; FP8: hi and lo of P^T)
+static_assert(kPRowBytes == kPtRowBytes, "the FP8 form's P^T rows take the bf16 P's bytes");
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 
 // Named barriers (0 is __syncthreads).
@@ -148,148 +147,6 @@ template <typename SmemT>
 __device__ __forceinline__ void gather_tile(SmemT& sm, const Params& prm, const ItemCtx& cx, int t, int b, int i,
                                             const long long (&slot)[kProducerKeys]) {
   wg::copy_tile<kProducerKeys>(smem_u32(&sm.kv[0][0]) + b * kTileBytes, &sm.full[b], prm, cx, t, i, slot);
-}
-
-// ---- the FP8 form's prefix items: e4m3 tiles, e4m3 wgmma for both products ----
-// Copier thread pt's part of e4m3 tile t into the buffer at shared address buf: key pt / 4 (slot: its pool slot id),
-// 16-byte chunk pt % 4 of each of its row's 9 slabs of 64 bytes (a warp's copy: 8 keys x 64 contiguous bytes), in the
-// 64-byte swizzled K-major layout [slab][key][64 B] (chunk c of key r at c ^ (r / 2 % 4)), zeros past the split end;
-// then its arrival on `full` once they have landed. Nothing past the item's last tile.
-__device__ __forceinline__ void copy_tile8(uint32_t buf, unsigned long long* full, const Params& prm, const ItemCtx& cx,
-                                           int t, int pt, long long slot) {
-  static_assert(4 * kTileN == kCopierThreads, "four copier threads a key");
-  if (t >= cx.ntiles) return;
-  const int kt = pt >> 2, cw = pt & 3;
-  const int key = cx.k0 + t * kTileN + kt;
-  const unsigned char* src = static_cast<const unsigned char*>(key_ptr8(prm, cx, key, slot)) + 16 * cw;
-  const uint32_t dst = buf + kt * 64 + ((cw ^ ((kt >> 1) & 3)) << 4);
-#pragma unroll
-  for (int sl = 0; sl < kSlabs; ++sl) cp_async_16z(dst + sl * kSlab8Bytes, src + sl * 64, key < cx.k1 ? 16 : 0);
-  wg::arrive_when_landed(full);
-}
-
-// S = q K^T over the e4m3 tile at kv: k-steps ks < 18 take q's hi term (bytes 32 ks of its rows, which the prep
-// kernel's q8 rows hold as 1,152 bytes: hi, then lo, in the bf16 q's layout), ks >= 18 its lo term, each against the
-// tile's k32 step ks % 18 (slab (ks % 18) / 2, + 32 bytes for an odd step); the row's 2^e scales the scores after.
-
-__device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const SmemDesc& qd) {
-  wg::wg_fence();
-#pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
-    const int j = ks % (kDimQK / 32);
-    const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
-    wg::wgmma_m64n32k32_e4m3_ss(sc, da, desc_sw64(kv + (j >> 1) * kSlab8Bytes) + (j & 1) * 2, ks > 0);
-  }
-  wg::wg_commit();
-  wg::wg_wait0();
-}
-
-// The k position in P^T (a term's byte of a query row) of a thread's keys 8j + 2c and 8j + 2c + 1 (the next byte): the
-// k order of the value fragments (wg::e4m3_vt_fragment), where position 4c + i of a 16-key half holds key
-// {2c, 2c+1, 8+2c, 9+2c}[i] (the skinny FP8 kernel's p8_offset; tests/test_fp8_cpu.py checks the two agree).
-__host__ __device__ constexpr int p8_pair_pos(int j, int c) { return 16 * (j >> 1) + 4 * c + 2 * (j & 1); }
-
-// The tile's P as 448 P = hi + lo (two e4m3 terms) into P^T, the B operand of O^T (K-major): query row r's 64 bytes in
-// the 64-byte swizzle, hi at bytes 0..31 and lo at 32..63, each in p8_pair_pos order: key groups j - 1 and j (odd j)
-// make one 32-bit word a row and term. The row sums take what is stored, (hi + lo) / 448. P <= 1 here (no lazy
-// reference: below 2^-9 / 448 an e4m3 term is zero).
-__device__ __forceinline__ void softmax_p8(float (&sc)[16], const float (&m_use)[2], const float (&lfac)[2],
-                                           float (&l_own)[2], uint32_t p, int wrow, int g, int c) {
-  uint32_t w[2][2];         // [half][term]: the word of key groups j - 1, j
-  float rounding[2] = {0.f, 0.f};   // what the stored terms add to the sums beyond P
-  softmax_p_pairs<kTileN / 8>(sc, m_use, lfac, l_own, [&](int j, int half, float p0, float p1) {
-    uint32_t h, l;
-    const float2 stored = split_e4m3x2(448.f * p0, 448.f * p1, h, l);
-    rounding[half] += (stored.x + stored.y) * (1.f / 448.f) - (p0 + p1);
-    if ((j & 1) == 0) {
-      w[half][0] = h & 0xffffu;
-      w[half][1] = l & 0xffffu;
-    } else {
-      static_assert(p8_pair_pos(1, 0) == p8_pair_pos(0, 0) + 2 && p8_pair_pos(3, 3) == p8_pair_pos(2, 3) + 2,
-                    "an odd group's keys follow the even one's in its word");
-      const int r = wrow + g + 8 * half, pos = p8_pair_pos(j - 1, c);   // the word's first byte
-#pragma unroll
-      for (int term = 0; term < 2; ++term)
-        st_shared_u32(p + r * kPRowBytes + (((2 * term + (pos >> 4)) ^ ((r >> 1) & 3)) << 4) + (pos & 15),
-                      w[half][term] | ((term ? l : h) << 16));
-    }
-  });
-  l_own[0] += rounding[0];
-  l_own[1] += rounding[1];
-}
-
-// O^T (value warpgroup v's 256 dims as 4 blocks of 64 x the 64 rows; block mb: o[32 mb ..], accumulator rows g / g + 8
-// of warp w are dims 64 mb + 16 w + 2g / + 1) times the factors of its columns, the rows 8q + 2c, + 1 (q < 8), skipped
-// when the warp's factors are all 1.
-__device__ __forceinline__ void rescale_o_t(float (&o)[128], const float2 (&a)[8]) {
-  bool one = true;
-#pragma unroll
-  for (int q = 0; q < 8; ++q) one = one && a[q].x == 1.f && a[q].y == 1.f;
-  if (__all_sync(0xffffffffu, one)) return;
-#pragma unroll
-  for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      o[32 * mb + 4 * q] *= a[q].x;
-      o[32 * mb + 4 * q + 1] *= a[q].y;
-      o[32 * mb + 4 * q + 2] *= a[q].x;
-      o[32 * mb + 4 * q + 3] *= a[q].y;
-    }
-}
-__device__ __forceinline__ void load_row_pairs(float2 (&a)[8], const float* rows, int c) {
-#pragma unroll
-  for (int q = 0; q < 8; ++q) a[q] = *reinterpret_cast<const float2*>(&rows[8 * q + 2 * c]);
-}
-
-// O^T += V^T P^T over the e4m3 tile at kv, value warpgroup v: block mb's A fragment by one ldmatrix.x4.trans of the 32
-// keys x warp w's 16 bytes of slab 4v + mb (lane: key 8 (lane / 8) + lane % 8) and wg::e4m3_vt_fragment; B = P^T's hi
-// (pd), then lo (+ 32 bytes).
-__device__ __forceinline__ void values8(float (&o)[128], uint32_t kv, uint64_t pd, int v, int w, int lane) {
-  const int key = lane;   // ldmatrix: lane l gives row l % 8 of matrix l / 8, matrix mi = keys 8 mi ..
-  const uint32_t row = kv + 4 * v * kSlab8Bytes + key * 64 + ((w ^ ((key >> 1) & 3)) << 4);
-  uint32_t a[4][4];
-#pragma unroll
-  for (int mb = 0; mb < 4; ++mb) {
-    uint32_t m[4];
-    ldmatrix_x4_trans(m, row + mb * kSlab8Bytes);
-    wg::e4m3_vt_fragment(m, a[mb]);
-  }
-  wg::wg_fence();
-#pragma unroll
-  for (int term = 0; term < 2; ++term)
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) wg::wgmma_m64n64k32_e4m3_rs(&o[32 * mb], a[mb], pd + 2 * term);
-  wg::wg_commit();
-  wg::wg_wait0();
-}
-
-// End of a prefix item, value side: O^T times `scale` (v_scale / 448) over the rows' sums into the stage as bf16 (dims
-// 2g, 2g + 1 of a warp's 16 at one row: a 4-byte store), then out as wg::store_o_rows_staged does.
-__device__ __forceinline__ void store_o_t_rows_staged(const Params& prm, const ItemCtx& cx, int w, int lane, int v,
-                                                      const float (&o)[128], const float* row_l, float scale,
-                                                      uint32_t stage, int bar_id, int bar_count) {
-  const int g = lane >> 2, c = lane & 3;
-  float2 inv[8];
-  load_row_pairs(inv, row_l, c);
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    inv[q].x = inv[q].x > 0.f ? scale / inv[q].x : 0.f;
-    inv[q].y = inv[q].y > 0.f ? scale / inv[q].y : 0.f;
-  }
-#pragma unroll
-  for (int mb = 0; mb < 4; ++mb) {
-    const int dim = 256 * v + 64 * mb + 16 * w + 2 * g;
-#pragma unroll
-    for (int q = 0; q < 8; ++q)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int r = 8 * q + 2 * c + u;
-        const float f = u ? inv[q].y : inv[q].x;
-        st_shared_u32(stage_chunk(stage, r, dim >> 3) + ((dim & 7) << 1),
-                      pack_bf16(o[32 * mb + 4 * q + u] * f, o[32 * mb + 4 * q + 2 + u] * f));
-      }
-  }
-  wg::copy_staged_rows_out(prm, cx, 16 * w, lane, v, stage, bar_id, bar_count);
 }
 
 // The ring buffer of an item's tile t: t % ring (ring: kRing, or kRing8 for the FP8 form's e4m3 tiles).
