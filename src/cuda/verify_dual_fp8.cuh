@@ -45,6 +45,9 @@ __device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const Smem
   wg::wg_fence();
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
+    if constexpr (kExpNoScoreMma) {   // profiling aid: one k-step instead of 36
+      if (ks > 0) continue;
+    }
     const int j = ks % (kDimQK / 32);
     const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
     wg::wgmma_m64n32k32_e4m3_ss(sc, da, desc_sw64(kv + (j >> 1) * kSlab8Bytes) + (j & 1) * 2, ks > 0);
@@ -127,7 +130,10 @@ __device__ __forceinline__ void values8(float (&o)[128], uint32_t kv, uint64_t p
 #pragma unroll
   for (int term = 0; term < 2; ++term)
 #pragma unroll
-    for (int mb = 0; mb < 4; ++mb) wg::wgmma_m64n64k32_e4m3_rs(&o[32 * mb], a[mb], pd + 2 * term);
+    for (int mb = 0; mb < 4; ++mb) {
+      if constexpr (kExpNoPvMma) continue;   // profiling aid: skip O^T += V^T P^T
+      wg::wgmma_m64n64k32_e4m3_rs(&o[32 * mb], a[mb], pd + 2 * term);
+    }
   wg::wg_commit();
   wg::wg_wait0();
 }

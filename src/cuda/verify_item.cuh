@@ -81,6 +81,7 @@ __device__ __forceinline__ const __nv_bfloat16* key_ptr(const Params& prm, const
 // The e4m3 pool row (576 bytes) of prefix key `key` of an item of an e4m3 call (slot: its pool slot id), or the
 // zero row past the split end.
 __device__ __forceinline__ const void* key_ptr8(const Params& prm, const ItemCtx& c, int key, long long slot) {
+  if constexpr (kExpNoGather) return prm.zero_row;   // the knock-out, as key_ptr's
   return key < c.k1 ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(prm.kv) + slot * prm.kv_ss)
                     : static_cast<const void*>(prm.zero_row);
 }
