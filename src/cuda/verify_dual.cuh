@@ -118,7 +118,7 @@ struct SmemRing {
   float m[2][kBlockM];                     // the running row maxima after its latest tile
   float xl[kBlockM], xmu[kBlockM];         // score warpgroup 1's row sums at the end of an item, their max
   float row_l[kBlockM];                    // the item's row sums, for the value warpgroups
-  unsigned long long full[Bars];      // tile landed: one arrival per producer thread (128)
+  unsigned long long full[Bars];      // tile landed: one arrival per copier thread (128)
   unsigned long long empty[Bars];     // the value warpgroups are done with the buffer (256 arrivals)
   unsigned long long p_full[2];       // P / alpha of score warpgroup s published: 128 arrivals (release)
   unsigned long long p_empty[2];      // consumed: 256 value-thread arrivals (release)
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       float sc[4 * kGroups];
       for (int t = s; t < nt; t += 2) {
         if ((warp & 3) == 0) KDTREE_DTRACE(0);
-        mbar_wait_buffer(sm.full, full_bits, ring_buffer<Fp8>(t, ring));   // every producer thread's copies landed
+        mbar_wait_buffer(sm.full, full_bits, ring_buffer<Fp8>(t, ring));   // every copier thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         if (e4) {
           if ((warp & 3) == 0) KDTREE_DTRACE(8);
@@ -319,9 +319,9 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
         }
         if ((warp & 3) == 0) KDTREE_DTRACE(1);
         float tmax[2];
-        if constexpr (Fp8) {
+        if constexpr (Fp8)
           scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, rscale, sc, tmax);
-        } else
+        else
           scale_mask_max<kGroups>(prm, cx, H, cx.k0 + t * kTileN, wrow + g, c, prm.scale_log2, sc, tmax);
         if ((warp & 3) == 0) KDTREE_DTRACE(9);   // the tile's own row maxima
         // the running maxima: m of the tile before from the other score warpgroup, this tile's published at once

@@ -40,7 +40,6 @@ __device__ __forceinline__ void copy_tile8(uint32_t buf, unsigned long long* ful
 // S = q K^T over the e4m3 tile at kv: k-steps ks < 18 take q's hi term (bytes 32 ks of its rows, which the prep
 // kernel's q8 rows hold as 1,152 bytes: hi, then lo, in the bf16 q's layout), ks >= 18 its lo term, each against the
 // tile's k32 step ks % 18 (slab (ks % 18) / 2, + 32 bytes for an odd step); the row's 2^e scales the scores after.
-
 __device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const SmemDesc& qd) {
   wg::wg_fence();
 #pragma unroll
@@ -108,6 +107,7 @@ __device__ __forceinline__ void rescale_o_t(float (&o)[128], const float2 (&a)[8
       o[32 * mb + 4 * q + 3] *= a[q].y;
     }
 }
+// A value per O^T column of the thread (rows 8q + 2c, + 1) from a 64-row array in shared memory (alpha, row_l).
 __device__ __forceinline__ void load_row_pairs(float2 (&a)[8], const float* rows, int c) {
 #pragma unroll
   for (int q = 0; q < 8; ++q) a[q] = *reinterpret_cast<const float2*>(&rows[8 * q + 2 * c]);
