@@ -95,11 +95,11 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
       return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages, kdtree::MmaWide, true>, kdtree::MmaWide::kThreads,
               sizeof(kdtree::SharedStorage<kdtree::kMaxStages>), kdtree::MmaWide::kBlockM, kTileN};
     case KDTREE_KERNEL_DUAL:
-      return {kdtree::dual::kdtree_verify_split_dual_kernel<false>, kdtree::dual::kThreads<false>, kdtree::dual::kSmemBytes,
-              kdtree::wg::kBlockM, kdtree::wg::kTileN};
+      return {kdtree::dual::kdtree_verify_split_dual_kernel<false>, kdtree::dual::kThreads<false>,
+              kdtree::dual::kSmemBytes, kdtree::wg::kBlockM, kdtree::wg::kTileN};
     case KDTREE_KERNEL_DUAL_FP8:
-      return {kdtree::dual::kdtree_verify_split_dual_kernel<true>, kdtree::dual::kThreads<true>, kdtree::dual::kSmemBytesFp8,
-              kdtree::wg::kBlockM, kdtree::wg::kTileN};
+      return {kdtree::dual::kdtree_verify_split_dual_kernel<true>, kdtree::dual::kThreads<true>,
+              kdtree::dual::kSmemBytesFp8, kdtree::wg::kBlockM, kdtree::wg::kTileN};
     case KDTREE_KERNEL_SKINNY:
       return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
               kdtree::sk::kRows, kdtree::sk::kTileN, 0};
@@ -559,9 +559,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.plan_blocks = p->reuse_plan ? 0 : 1;
   prm.pack_blocks = (int)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
   const long long rows = (long long)p->num_tokens * p->num_heads;
-  const int q_blocks = call == KDTREE_KERNEL_MMA_FP8 || call == KDTREE_KERNEL_SKINNY_FP8 || call == KDTREE_KERNEL_DUAL_FP8
-                           ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock)
-                           : 0;
+  // (every e4m3 call runs an FP8 kernel, and every FP8 kernel reads q's e4m3 terms)
+  const int q_blocks =
+      p->kv_dtype == KDTREE_KV_E4M3 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock) : 0;
   const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);
   if (prep_blocks)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, prep_blocks, kdtree::kPlanThreads, 0, stream, pdl, prm));
