@@ -87,6 +87,27 @@ __device__ __forceinline__ uint64_t q_at(const SmemDesc& qd, int off) {
   return qd.at((off >> 7) * kQSlabBytes + (off & 127));
 }
 
+// A product whose A fragments come from registers, in NG groups of Steps fragments: load(grp, a) fills group grp's
+// fragments (ldmatrix, byte permutes), mma(grp, a) issues its wgmmas. Two groups are in flight: a group's loads run
+// while the wgmmas of the one before execute, and its registers are written again once their group has completed
+// (wait_group 1). Measured on an H100 at H16 N1 P131072 with the keys widened to f16 in registers (a form this
+// kernel replaced): a group a k-step, each waited for, 69.1 us; grouped so, 59.1. Three groups in flight, or twice the
+// S^T fragments a group, are within 1.3% (and with three, ptxas serialises S^T's wgmma). (The dual kernel's FP8 form
+// issues its O^T fragments in one group instead: in two, ptxas serialises that kernel's wgmma.)
+template <int NG, int Steps, class Load, class Mma>
+__device__ __forceinline__ void pipelined(Load load, Mma mma) {
+  uint32_t a[2][Steps][4];
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+    load(grp, a[grp & 1]);
+    wg::wg_fence();
+    mma(grp, a[grp & 1]);
+    wg::wg_commit();
+    wg::wg_wait<1>();
+  }
+  wg::wg_wait0();
+}
+
 constexpr int kSLoads = 3;   // k32 steps per group of S^T (one ldmatrix.x4 each; a bf16 group: 2 kSLoads k16 steps)
 static_assert((kDimQK / 32) % kSLoads == 0, "whole groups");
 
@@ -98,7 +119,7 @@ __device__ __forceinline__ void scores_e4m3(float (&s)[8], uint32_t kv, const Sm
   const uint32_t row = kv + (warp * 16 + r + 8 * (mi & 1)) * kKeyPitch8 + 16 * (mi >> 1);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
-  wg::pipelined<kDimQK / 32 / kSLoads, kSLoads>(
+  pipelined<kDimQK / 32 / kSLoads, kSLoads>(
       [&](int grp, uint32_t(&a)[kSLoads][4]) {
 #pragma unroll
         for (int u = 0; u < kSLoads; ++u) ldmatrix_x4(a[u], row + 32 * (grp * kSLoads + u));
@@ -130,7 +151,7 @@ __device__ __forceinline__ void values_e4m3(float (&o)[kVBlocks][8], uint32_t kv
   const int mi = lane >> 3, r = lane & 7;
   const uint32_t col = kv + (8 * mi + r) * kKeyPitch8 + 16 * warp;
   constexpr int kPairs = kVBlocks / 2;
-  wg::pipelined<2 * kPairs, 2>(
+  pipelined<2 * kPairs, 2>(
       [&](int grp, uint32_t(&a)[2][4]) {
         const int ss = grp / kPairs;
 #pragma unroll
@@ -181,7 +202,7 @@ __device__ __forceinline__ void scores_bf16(float (&s)[8], uint32_t kv, const Sm
   const uint32_t row = kv + (warp * 16 + r + 8 * (mi & 1)) * kPitch16 + 16 * (mi >> 1);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
-  wg::pipelined<kDimQK / 32 / kSLoads, 2 * kSLoads>(
+  pipelined<kDimQK / 32 / kSLoads, 2 * kSLoads>(
       [&](int grp, uint32_t(&a)[2 * kSLoads][4]) {
 #pragma unroll
         for (int u = 0; u < 2 * kSLoads; ++u) {
@@ -205,7 +226,7 @@ __device__ __forceinline__ void values_bf16(float (&o)[kVBlocks][8], uint32_t kv
   const int mi = lane >> 3, r = lane & 7;
   const uint32_t col = kv + (r + 8 * (mi >> 1)) * kPitch16 + 32 * warp + 16 * (mi & 1);
   constexpr int kSteps = kDraftKeys / 16;
-  wg::pipelined<kVBlocks / 2, 2 * kSteps>(
+  pipelined<kVBlocks / 2, 2 * kSteps>(
       [&](int grp, uint32_t(&a)[2 * kSteps][4]) {
 #pragma unroll
         for (int v = 0; v < 2; ++v)

@@ -139,26 +139,6 @@ __device__ __forceinline__ void e4m3_vt_fragment(const uint32_t (&m)[4], uint32_
   }
 }
 
-// A product whose A fragments come from registers, in NG groups of Steps fragments: load(grp, a) fills group grp's
-// fragments (ldmatrix, byte permutes), mma(grp, a) issues its wgmmas. Two groups are in flight: a group's loads run
-// while the wgmmas of the one before execute, and its registers are written again once their group has completed
-// (wait_group 1). Measured on an H100 at H16 N1 P131072 with the skinny FP8 kernel's keys widened to f16 in registers
-// (a form it replaced): a group a k-step, each waited for, 69.1 us; grouped so, 59.1. Three groups in flight, or twice the
-// S^T fragments a group, are within 1.3% (and with three, ptxas serialises S^T's wgmma).
-template <int NG, int Steps, class Load, class Mma>
-__device__ __forceinline__ void pipelined(Load load, Mma mma) {
-  uint32_t a[2][Steps][4];
-#pragma unroll
-  for (int grp = 0; grp < NG; ++grp) {
-    load(grp, a[grp & 1]);
-    wg_fence();
-    mma(grp, a[grp & 1]);
-    wg_commit();
-    wg_wait<1>();
-  }
-  wg_wait0();
-}
-
 // q of a work item into shared memory by asynchronous copies (all in flight at once): Rows rows (64, or the
 // skinny kernel's 16) x 72 chunks of 16 bytes in the 128-byte swizzled K-major layout (9 slabs of Rows x 128 B),
 // zeros for padding rows, thread `tid` of `nthreads` taking every nthreads-th chunk. The caller waits for its copies.
