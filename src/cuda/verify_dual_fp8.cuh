@@ -37,9 +37,15 @@ __device__ __forceinline__ void copy_tile8(uint32_t buf, unsigned long long* ful
   wg::arrive_when_landed(full);
 }
 
-// S = q K^T over the e4m3 tile at kv: k-steps ks < 18 take q's hi term (bytes 32 ks of its rows, which the prep
-// kernel's q8 rows hold as 1,152 bytes: hi, then lo, in the bf16 q's layout), ks >= 18 its lo term, each against the
-// tile's k32 step ks % 18 (slab (ks % 18) / 2, + 32 bytes for an odd step); the row's 2^e scales the scores after.
+// S = q K^T over the e4m3 tile at kv: k32 step j of the tile (slab j / 2, + 32 bytes for an odd step) times q's hi
+// term, then the same step times its lo term (bytes 32 j and 576 + 32 j of q's rows, which the prep kernel's q8 rows
+// hold as 1,152 bytes: hi, then lo, in the bf16 q's layout); the row's 2^e scales the scores after.
+// The order is measured (H100, H16 N9 P131072, one run of tools/ab_variants.sh): each B descriptor twice in a row
+// takes 149.6 us, all 18 hi(q) steps before the 18 lo(q) ones 155.6, lo(q) first 160.3; the second form also keeps 18
+// B descriptors live across the loop, which spilled. Accuracy: Hopper's e4m3 wgmma adds into its accumulator with
+// fewer bits than fp32, so each step into a full-size sum costs some, which shows at large |q| (a row's scores spanning
+// ~1e3 in log2 units at |q| ~ 1e3): median relative error over 8 inputs 6.9e-2 in this order, 8.4e-2 with hi(q) first,
+// 3.3e-2 with lo(q) first (its small sums added while the accumulator is small); 2.7e-3 / 3.0e-3 / 2.5e-3 at |q| ~ 1.
 __device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const SmemDesc& qd) {
   wg::wg_fence();
 #pragma unroll
@@ -47,8 +53,8 @@ __device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const Smem
     if constexpr (kExpNoScoreMma) {   // profiling aid: one k-step instead of 36
       if (ks > 0) continue;
     }
-    const int j = ks % (kDimQK / 32);
-    const uint64_t da = qd.at((ks >> 2) * kQSlabBytes + (ks & 3) * 32);
+    const int j = ks >> 1, off = (ks & 1) * kDimQK + 32 * j;   // step j of hi(q), then of lo(q): byte off of q's rows
+    const uint64_t da = qd.at((off >> 7) * kQSlabBytes + (off & 127));
     wg::wgmma_m64n32k32_e4m3_ss(sc, da, desc_sw64(kv + (j >> 1) * kSlab8Bytes) + (j & 1) * 2, ks > 0);
   }
   wg::wg_commit();
