@@ -16,7 +16,7 @@ def _line(t, e):
 def _log(period=1000, s=700, value=900):
     """A steady pipeline: tile t's P is published at 1000 t + 500; the value side reaches tile t at 1000 t + 450 on
     odd tiles (so it waits 50 for P) and at 1000 t + 600 on even ones, and works `value` from the later of the two."""
-    lines = ["=== call 0 P=1 N=9", "TRACE block 0 item 0 tiles 12 total 1", "=== call 1 P=1 N=9"]
+    lines = ["=== repeat 0 P=1 N=9", "TRACE block 0 item 0 tiles 12 total 1", "=== repeat 1 P=1 N=9"]
     for t in range(12):
         e = [0] * 16
         e[3] = period * t + 500 + 10_000          # P published
@@ -43,12 +43,12 @@ def test_summary_of_a_known_pipeline():
     assert r["p_after_buffer"] == 1050
 
 
-def test_the_last_call_is_read_by_default_and_a_call_can_be_named():
-    log = _log() + "=== call 2 P=1 N=9\n"   # a last call with no tile lines
+def test_the_last_repeat_is_read_by_default_and_a_repeat_can_be_named():
+    log = _log() + "=== repeat 2 P=1 N=9\n"   # a last repeat with no tile lines
     try:
         trace_summary.summarise(trace_summary.tiles_of(log))
     except ValueError as err:
         assert "too few tiles" in str(err)
     else:
         raise AssertionError("an empty last call was summarised")
-    assert trace_summary.summarise(trace_summary.tiles_of(log, call=1))["period"] == 1000
+    assert trace_summary.summarise(trace_summary.tiles_of(log, repeat=1))["period"] == 1000

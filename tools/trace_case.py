@@ -3,7 +3,7 @@
     python tools/trace_case.py 131072 9     # prefix, N (H=16)
     python tools/trace_case.py B8 9         # the benchmark's ragged batch (8 requests, 4k..64k)
     python tools/trace_case.py 131072 9 e4m3   # on an e4m3 pool (the FP8 kernels; default bf16)
-Three calls on the same batch. After each, blocks 0 and 1 print one line per work item and one per 32-key tile of its
+Three calls on the same batch (=== repeat 0, 1, 2). After each, blocks 0 and 1 print one line per work item and one per 32-key tile of its
 first tiles: SM clocks since the item started at each stamp the TRACE build records (the score side's tile landed,
 S done, P published; the value side's P taken, P V issued and done, the buffer released; the producer's copies
 started and issued), in the order the kernels number them where they take them. The dual and skinny kernels add a
@@ -27,6 +27,6 @@ b = make_verify_batch(RAGGED if p == "B8" else [int(p)], 16, n, kind="tree", dev
                       poison=False, kv_dtype=kv)
 args = b.verify_args()
 for i in range(3):
-    print(f"=== call {i} P={p} N={n}", flush=True)
+    print(f"=== repeat {i} P={p} N={n}", flush=True)
     kdtree.verify_attention(**args)
     torch.cuda.synchronize()

@@ -1,8 +1,8 @@
 """Per-tile summary of the dual kernel's TRACE stamps: what tools/trace_case.py printed, read from its log.
 
-    python tools/trace_summary.py trace.log [--call 2] [--first 4]
+    python tools/trace_summary.py trace.log [--repeat 1] [--first 4]
 
-For block 0's first item in the chosen call (the last one by default), over its recorded tiles from --first on (the
+For block 0's first item in the chosen repeat of the call (the last one by default), over its recorded tiles from --first on (the
 ring's first tiles start cold), in SM clocks (medians; stamp numbers as in verify_dual.cuh's KDTREE_DTRACE):
 - period: the time between a score warpgroup's P published (3) for tile t and for tile t + 2, halved;
 - value work: the value warpgroup's tile, from P ready or its own loop top (4), whichever is later, to its release (7);
@@ -22,14 +22,14 @@ import sys
 _TILE = re.compile(r"TRACE block 0 item 0 it\s+(\d+) \|(.*)")
 
 
-def tiles_of(text: str, call: int | None = None) -> dict[int, list[int]]:
-    """The stamps of block 0's first item, tile -> 16 values, from one call of trace_case.py's output."""
-    calls = re.split(r"^=== call (\d+).*$", text, flags=re.M)
+def tiles_of(text: str, repeat: int | None = None) -> dict[int, list[int]]:
+    """The stamps of block 0's first item, tile -> 16 values, from one repeat of trace_case.py's output."""
+    parts = re.split(r"^=== repeat (\d+).*$", text, flags=re.M)
     # re.split with a group: [before, n0, body0, n1, body1, ...]
-    bodies = {int(calls[i]): calls[i + 1] for i in range(1, len(calls) - 1, 2)}
+    bodies = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
     if not bodies:
-        raise ValueError("no '=== call N' line: not a tools/trace_case.py log")
-    body = bodies[max(bodies) if call is None else call]
+        raise ValueError("no '=== repeat N' line: not a tools/trace_case.py log")
+    body = bodies[max(bodies) if repeat is None else repeat]
     out = {}
     for line in body.splitlines():
         m = _TILE.match(line)
@@ -45,7 +45,7 @@ def summarise(tiles: dict[int, list[int]], first: int = 4) -> dict[str, float]:
     ts = [t for t in sorted(tiles) if t >= first and t - 2 in tiles]
     if len(ts) < 3:
         raise ValueError(f"too few tiles from {first} on: {sorted(tiles)}")
-    st = tiles
+    st = tiles   # st[t][e]: stamp e of tile t
     period = [(st[t + 2][3] - st[t][3]) / 2 for t in ts if t + 2 in st]
     value = [st[t][7] - max(st[t][4], st[t][3]) for t in ts]
     waits = [st[t][3] - st[t][4] for t in ts if st[t][3] > st[t][4]]
@@ -59,11 +59,11 @@ def summarise(tiles: dict[int, list[int]], first: int = 4) -> dict[str, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("log")
-    ap.add_argument("--call", type=int, default=None, help="the call's number (default: the last)")
+    ap.add_argument("--repeat", type=int, default=None, help="which of trace_case.py's repeats (default: the last)")
     ap.add_argument("--first", type=int, default=4, help="the first tile counted")
     args = ap.parse_args(argv)
     with open(args.log) as f:
-        r = summarise(tiles_of(f.read(), args.call), args.first)
+        r = summarise(tiles_of(f.read(), args.repeat), args.first)
     print(f"tiles {r['tiles']} from {args.first} | period {r['period']:.0f} | value work {r['value_work']:.0f} | "
           f"value waits for P on {r['value_waits']} tiles ({r['value_wait']:.0f} each) | P after its buffer "
           f"{r['p_after_buffer']:.0f} | S {r['s']:.0f}  (SM clocks, medians)")
