@@ -55,7 +55,7 @@ static_assert(kExpCombineBlocksDiv >= 1, "KDTREE_EXP_COMBINE_BLOCKS_DIV: a divis
 // them: a printf in the kernel would be a function call, across which ptxas serialises every wgmma of the kernel
 // ("C7510: wgmma pipeline crossing function boundary"; such a trace timed S at ~3,000 clocks, where S alone takes
 // ~1,100). tests/test_ptxas.py checks the TRACE build for that.
-// The macros read names of the kernel's scope: t_item (KDTREE_TRACE_ITEM_START), k (the block's item count), t (the
+// The macros read names of the kernel's scope: t_item (KDTREE_DTRACE_ITEM_START), k (the block's item count), t (the
 // tile) and lane.
 // ---------------------------------------------------------------------------------------------
 #ifdef KDTREE_EXP_TRACE
@@ -78,9 +78,9 @@ __device__ volatile long long g_sk_start[9];
 __device__ int g_sk_item[3];   // its item, its tiles, 1 once recorded (the dump kernel clears it)
 
 // The dual kernel's item k of block 0 ends (thread 0, after the item's last barrier).
-__device__ __forceinline__ void record_dual_item(int k, int item, int tiles, long long t_item, int q_first) {
+__device__ __forceinline__ void record_dual_item(int k, int item, int tiles, unsigned t_item, int q_first) {
   if (blockIdx.x == 0 && k < kItems) {
-    g_item[0][k] = {item, tiles, clock64() - t_item};
+    g_item[0][k] = {item, tiles, (long long)((unsigned)clock64() - t_item)};
     g_items[0] = k + 1;
     if (k == 0) g_dual_qfirst = q_first;
   }
@@ -97,11 +97,14 @@ __device__ __forceinline__ void record_skinny_item(int item, int tiles) {
 
 // The item's start, which the tile stamps count from.
 #define KDTREE_TRACE_ITEM_START const long long t_item = clock64()
+// The dual kernel's: its low 32 bits (stamps modulo 2^32 clocks), one register where clock64's value takes two. With
+// two, ptxas serialises every wgmma of the dual kernel's FP8 form in this build (C7511: registers).
+#define KDTREE_DTRACE_ITEM_START const unsigned t_item = (unsigned)clock64()
 // The dual kernel: stamp e of tile t of item k, block 0 (the caller picks the warp).
 #define KDTREE_DTRACE(e)                                                                             \
   do {                                                                                               \
     if (blockIdx.x == 0 && lane == 0 && k < ::kdtree::trace::kItems && t < ::kdtree::trace::kTiles)  \
-      ::kdtree::trace::g_tile[0][k][t][e] = (unsigned)(clock64() - t_item);                          \
+      ::kdtree::trace::g_tile[0][k][t][e] = (unsigned)clock64() - t_item;                            \
   } while (0)
 #define KDTREE_DSTART(cond, e) \
   do { if (blockIdx.x == 0 && k == 0 && (cond)) ::kdtree::trace::g_dual_start[e] = clock64(); } while (0)
@@ -148,6 +151,7 @@ __global__ void kdtree_trace_dump_kernel() {
 }
 #else
 #define KDTREE_TRACE_ITEM_START
+#define KDTREE_DTRACE_ITEM_START
 #define KDTREE_DTRACE(e) do { } while (0)
 #define KDTREE_DSTART(cond, e) do { } while (0)
 #define KDTREE_DTRACE_ITEM(cond, item, tiles, q_first) do { } while (0)
