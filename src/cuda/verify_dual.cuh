@@ -32,12 +32,12 @@
 //   the bf16 q's bytes and layout) against the e4m3 tile (32 keys x 576 bytes, 64-byte swizzle: 18 KB, so the ring's
 //   bytes hold 8 tiles);
 // - O^T = V^T P^T: each value warpgroup's 256 dims as 4 blocks of wgmma m64n64k32 with V^T from registers
-//   (ldmatrix.trans and byte permutes of the tile, wg::e4m3_vt_fragment) and P^T = 448 P in two e4m3 terms from
+//   (ldmatrix.trans and byte permutes of the tile, wg::e4m3_vt_fragment) and P^T = e4m3(448 P), one term, from
 //   shared memory, written by the score warpgroup in the fragments' k order (p8_pair_pos); no lazy reference (P <= 1);
 // - four warpgroups, 512 threads: the score warpgroups gather their own tiles half a ring ahead (no producer), which
 //   leaves 128 registers a thread at launch for the value warpgroups' 176 (kThreads below).
-// Measured on an H100 (H16 N9 P131072, one run): 156 us against 116 for the bf16 kernel and 198 for the form it
-// replaced (keys widened to bf16 in shared memory, beside two bf16 buffers).
+// Measured on an H100 (H16 N9 P131072, one run): 138.8 us against 116.6 for the bf16 kernel; 145 with P in two e4m3
+// terms, 198 for the form it replaced (keys widened to bf16 in shared memory, beside two bf16 buffers).
 #pragma once
 
 #include "verify_dual_fp8.cuh"
@@ -91,7 +91,7 @@ constexpr int kProducerKeys = 8 * kTileN / kCopierThreads;    // 2: keys of a bf
 // six shapes against asking for the whole ring at once; with q by TMA, 4 and 2 measure the same).
 constexpr int kQFirst = 2;
 static_assert(kQFirst >= 1 && kQFirst <= kRing, "tiles asked for before q has landed: 1 .. the ring");
-constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A; FP8: hi and lo of P^T)
+constexpr int kPRowBytes = kTileN * 2;         // 64: P rows in the 64-byte swizzle (K-major A; FP8: P^T, half used)
 static_assert(kPRowBytes == kPtRowBytes, "the FP8 form's P^T rows take the bf16 P's bytes");
 constexpr int kPBytes = kBlockM * kPRowBytes;  // 4,096
 
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       const int nt = cx.ntiles;
       const bool e4 = Fp8 && !drafts_split(cx);   // e4m3 tiles, q's e4m3 terms
       const int ring = e4 ? kRing8 : kRing;
-      KDTREE_TRACE_ITEM_START;   // (TRACE) just after the item fetch, as the value side's
+      KDTREE_DTRACE_ITEM_START;   // (TRACE) just after the item fetch, as the value side's
       KDTREE_DSTART(tid == 0, 0);
       // FP8: this warpgroup gathers its own tiles (t % 2 == s), half a ring ahead: tile u into buffer u % ring once the
       // value warpgroups are done with tile u - ring there (empty); copier thread st: copy_tile8 (e4m3 tiles) or
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       const int nt = cx0.ntiles;
       const bool e4 = Fp8 && !drafts_split(cx0);   // O^T = V^T P^T on e4m3 tiles (values8)
       const int ring = e4 ? kRing8 : kRing;
-      KDTREE_TRACE_ITEM_START;
+      KDTREE_DTRACE_ITEM_START;
       KDTREE_DSTART(vt == 0, 4);
 
       float o[128];
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       const int nt = cx.ntiles;
-      KDTREE_TRACE_ITEM_START;
+      KDTREE_DTRACE_ITEM_START;
       long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);

@@ -1,5 +1,5 @@
 // verify_dual_fp8.cuh: the pieces of the dual kernel's FP8 form (verify_dual.cuh, Fp8 = true) that its prefix items
-// run on e4m3 tiles: the copies of a tile, S = q K^T in e4m3 wgmma, P^T in two e4m3 terms, O^T = V^T P^T with V^T from
+// run on e4m3 tiles: the copies of a tile, S = q K^T in e4m3 wgmma, P^T in one e4m3 term, O^T = V^T P^T with V^T from
 // registers, and the store of O^T. How they fit into the kernel's roles: verify_dual.cuh's head and design.md.
 #pragma once
 
@@ -17,7 +17,7 @@ using wg::kTileN;
 
 constexpr int kSlab8Bytes = kTileN * 64;           // 2,048: 64 dims of an e4m3 tile's 32 keys, 64-byte swizzle
 constexpr int kTileBytes8 = kSlabs * kSlab8Bytes;  // 18,432: an e4m3 tile of 32 keys
-constexpr int kPtRowBytes = 64;                    // a query row of P^T: 32 keys' hi, then their lo
+constexpr int kPtRowBytes = 64;                    // a query row of P^T: 32 keys' e4m3 P, then 32 bytes unused
 constexpr int kCopierThreads = 128;   // a tile's copies: the producer warpgroup, or (FP8) its score warpgroup
 
 // Copier thread pt's part of e4m3 tile t into the buffer at shared address buf: key pt / 4 (slot: its pool slot id),
@@ -66,29 +66,26 @@ __device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const Smem
 // {2c, 2c+1, 8+2c, 9+2c}[i] (the skinny FP8 kernel's p8_offset; tests/test_fp8_cpu.py checks the two agree).
 __host__ __device__ constexpr int p8_pair_pos(int j, int c) { return 16 * (j >> 1) + 4 * c + 2 * (j & 1); }
 
-// The tile's P as 448 P = hi + lo (two e4m3 terms) into P^T, the B operand of O^T (K-major): query row r's 64 bytes in
-// the 64-byte swizzle, hi at bytes 0..31 and lo at 32..63, each in p8_pair_pos order: key groups j - 1 and j (odd j)
-// make one 32-bit word a row and term. The row sums take what is stored, (hi + lo) / 448. P <= 1 here (no lazy
-// reference: below 2^-9 / 448 an e4m3 term is zero).
+// The tile's P as 448 P in one e4m3 term into P^T, the B operand of O^T (K-major): query row r's 32 bytes (of its 64)
+// in the 64-byte swizzle, in p8_pair_pos order: key groups j - 1 and j (odd j) make one 32-bit word a row. The row sums
+// take what is stored, e4m3(448 P) / 448. P <= 1 here (no lazy reference: below 2^-9 / 448 the term is zero). One term
+// where q has two: an e4m3 P is off by at most 1/16 of itself, an error the sums share and the keys' many terms average
+// (the sm_120 code path quantises P so too).
 __device__ __forceinline__ void softmax_p8(float (&sc)[16], const float (&m_use)[2], const float (&lfac)[2],
                                            float (&l_own)[2], uint32_t p, int wrow, int g, int c) {
-  uint32_t w[2][2];         // [half][term]: the word of key groups j - 1, j
-  float rounding[2] = {0.f, 0.f};   // what the stored terms add to the sums beyond P
+  uint32_t w[2];                    // [half]: the word of key groups j - 1, j
+  float rounding[2] = {0.f, 0.f};   // what the stored term adds to the sums beyond P
   softmax_p_pairs<kTileN / 8>(sc, m_use, lfac, l_own, [&](int j, int half, float p0, float p1) {
-    uint32_t h, l;
-    const float2 stored = split_e4m3x2(448.f * p0, 448.f * p1, h, l);
+    const uint32_t h = cvt_e4m3x2(448.f * p0, 448.f * p1);
+    const float2 stored = f16x2_to_float2(e4m3x2_to_f16x2(h));
     rounding[half] += (stored.x + stored.y) * (1.f / 448.f) - (p0 + p1);
     if ((j & 1) == 0) {
-      w[half][0] = h & 0xffffu;
-      w[half][1] = l & 0xffffu;
+      w[half] = h & 0xffffu;
     } else {
       static_assert(p8_pair_pos(1, 0) == p8_pair_pos(0, 0) + 2 && p8_pair_pos(3, 3) == p8_pair_pos(2, 3) + 2,
                     "an odd group's keys follow the even one's in its word");
       const int r = wrow + g + 8 * half, pos = p8_pair_pos(j - 1, c);   // the word's first byte
-#pragma unroll
-      for (int term = 0; term < 2; ++term)
-        st_shared_u32(p + r * kPtRowBytes + (((2 * term + (pos >> 4)) ^ ((r >> 1) & 3)) << 4) + (pos & 15),
-                      w[half][term] | ((term ? l : h) << 16));
+      st_shared_u32(p + r * kPtRowBytes + (((pos >> 4) ^ ((r >> 1) & 3)) << 4) + (pos & 15), w[half] | (h << 16));
     }
   });
   l_own[0] += rounding[0];
@@ -120,8 +117,7 @@ __device__ __forceinline__ void load_row_pairs(float2 (&a)[8], const float* rows
 }
 
 // O^T += V^T P^T over the e4m3 tile at kv, value warpgroup v: block mb's A fragment by one ldmatrix.x4.trans of the 32
-// keys x warp w's 16 bytes of slab 4v + mb (lane: key 8 (lane / 8) + lane % 8) and wg::e4m3_vt_fragment; B = P^T's hi
-// (pd), then lo (+ 32 bytes).
+// keys x warp w's 16 bytes of slab 4v + mb (lane: key 8 (lane / 8) + lane % 8) and wg::e4m3_vt_fragment; B = P^T (pd).
 __device__ __forceinline__ void values8(float (&o)[128], uint32_t kv, uint64_t pd, int v, int w, int lane) {
   const int key = lane;   // ldmatrix: lane l gives row l % 8 of matrix l / 8, matrix mi = keys 8 mi ..
   const uint32_t row = kv + 4 * v * kSlab8Bytes + key * 64 + ((w ^ ((key >> 1) & 3)) << 4);
@@ -134,12 +130,10 @@ __device__ __forceinline__ void values8(float (&o)[128], uint32_t kv, uint64_t p
   }
   wg::wg_fence();
 #pragma unroll
-  for (int term = 0; term < 2; ++term)
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) {
-      if constexpr (kExpNoPvMma) continue;   // profiling aid: skip O^T += V^T P^T
-      wg::wgmma_m64n64k32_e4m3_rs(&o[32 * mb], a[mb], pd + 2 * term);
-    }
+  for (int mb = 0; mb < 4; ++mb) {
+    if constexpr (kExpNoPvMma) continue;   // profiling aid: skip O^T += V^T P^T
+    wg::wgmma_m64n64k32_e4m3_rs(&o[32 * mb], a[mb], pd);
+  }
   wg::wg_commit();
   wg::wg_wait0();
 }
