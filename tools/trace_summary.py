@@ -34,7 +34,7 @@ def tiles_of(text: str, repeat: int | None = None) -> dict[int, list[int]]:
     for line in body.splitlines():
         m = _TILE.match(line)
         if m:
-            stamps = [int(x) for x in re.findall(r"\d+", m.group(2))]
+            stamps = [int(x) for x in re.findall(r"-?\d+", m.group(2))]
             if len(stamps) != 16:
                 raise ValueError(f"tile line with {len(stamps)} stamps, not 16: {line!r}")
             out[int(m.group(1))] = stamps

@@ -55,8 +55,10 @@ static_assert(kExpCombineBlocksDiv >= 1, "KDTREE_EXP_COMBINE_BLOCKS_DIV: a divis
 // them: a printf in the kernel would be a function call, across which ptxas serialises every wgmma of the kernel
 // ("C7510: wgmma pipeline crossing function boundary"; such a trace timed S at ~3,000 clocks, where S alone takes
 // ~1,100). tests/test_ptxas.py checks the TRACE build for that.
-// The macros read names of the kernel's scope: t_item (KDTREE_DTRACE_ITEM_START), k (the block's item count), t (the
-// tile) and lane.
+// The macros read names of the kernel's scope: k (the block's item count), t (the tile) and lane. A stamp is the low 32
+// bits of clock64, which the dump kernel takes from the item's start (g_item_start): no register holds the start
+// across the kernel's loops (with the start in registers, ptxas serialises every wgmma of the dual kernel's FP8 form
+// in this build: C7511, registers).
 // ---------------------------------------------------------------------------------------------
 #ifdef KDTREE_EXP_TRACE
 namespace trace {
@@ -64,7 +66,8 @@ constexpr int kItems = 4;    // items recorded per block: the block's first four
 constexpr int kTiles = 32;   // tiles recorded per item: the first 32
 constexpr int kStamps = 16;  // per tile: 0-3 score side, 4-7 value side, 8-15 the dual kernel's other stamps
 struct ItemRec { int item, tiles; long long total; };
-__device__ unsigned g_tile[2][kItems][kTiles][kStamps];   // blocks 0 and 1 (the dual kernel: block 0 only)
+__device__ unsigned g_tile[kTiles][kStamps];   // the dual kernel's block 0, its first item; 0: not stamped
+__device__ unsigned g_item_start[kItems];   // the dual kernel's block 0: score thread 0's start of item k
 __device__ ItemRec g_item[2][kItems];
 __device__ int g_items[2];   // items block b recorded in the latest call (the dump kernel prints and clears them)
 // The start of the dual kernel's block 0's first item, in SM clocks: score thread 0's item start, q copies issued, its
@@ -78,9 +81,9 @@ __device__ volatile long long g_sk_start[9];
 __device__ int g_sk_item[3];   // its item, its tiles, 1 once recorded (the dump kernel clears it)
 
 // The dual kernel's item k of block 0 ends (thread 0, after the item's last barrier).
-__device__ __forceinline__ void record_dual_item(int k, int item, int tiles, unsigned t_item, int q_first) {
+__device__ __forceinline__ void record_dual_item(int k, int item, int tiles, int q_first) {
   if (blockIdx.x == 0 && k < kItems) {
-    g_item[0][k] = {item, tiles, (long long)((unsigned)clock64() - t_item)};
+    g_item[0][k] = {item, tiles, (long long)((unsigned)clock64() - g_item_start[k])};
     g_items[0] = k + 1;
     if (k == 0) g_dual_qfirst = q_first;
   }
@@ -97,19 +100,23 @@ __device__ __forceinline__ void record_skinny_item(int item, int tiles) {
 
 // The item's start, which the tile stamps count from.
 #define KDTREE_TRACE_ITEM_START const long long t_item = clock64()
-// The dual kernel's: its low 32 bits (stamps modulo 2^32 clocks), one register where clock64's value takes two. With
-// two, ptxas serialises every wgmma of the dual kernel's FP8 form in this build (C7511: registers).
-#define KDTREE_DTRACE_ITEM_START const unsigned t_item = (unsigned)clock64()
-// The dual kernel: stamp e of tile t of item k, block 0 (the caller picks the warp).
-#define KDTREE_DTRACE(e)                                                                             \
-  do {                                                                                               \
-    if (blockIdx.x == 0 && lane == 0 && k < ::kdtree::trace::kItems && t < ::kdtree::trace::kTiles)  \
-      ::kdtree::trace::g_tile[0][k][t][e] = (unsigned)clock64() - t_item;                            \
+// The dual kernel's item start, from the thread for which cond holds (score thread 0).
+#define KDTREE_DTRACE_ITEM_START(cond)                                                              \
+  do {                                                                                              \
+    if (blockIdx.x == 0 && (cond) && k < ::kdtree::trace::kItems)                                   \
+      ::kdtree::trace::g_item_start[k] = (unsigned)clock64();                                       \
+  } while (0)
+// The dual kernel: stamp e of tile t of block 0's first item (the caller picks the warp). Its later items are not
+// stamped: the stamps' addresses for four items, as this build had them, made ptxas serialise the FP8 form's wgmma.
+#define KDTREE_DTRACE(e)                                                                            \
+  do {                                                                                              \
+    if (blockIdx.x == 0 && lane == 0 && k == 0 && t < ::kdtree::trace::kTiles)                      \
+      ::kdtree::trace::g_tile[t][e] = (unsigned)clock64();                                          \
   } while (0)
 #define KDTREE_DSTART(cond, e) \
   do { if (blockIdx.x == 0 && k == 0 && (cond)) ::kdtree::trace::g_dual_start[e] = clock64(); } while (0)
 #define KDTREE_DTRACE_ITEM(cond, item, tiles, q_first) \
-  do { if (cond) ::kdtree::trace::record_dual_item(k, item, tiles, t_item, q_first); } while (0)
+  do { if (cond) ::kdtree::trace::record_dual_item(k, item, tiles, q_first); } while (0)
 // The skinny kernel (and km::key_producer).
 #define KDTREE_SKSTART(cond, e) \
   do { if (blockIdx.x == 0 && (cond)) ::kdtree::trace::g_sk_start[e] = clock64(); } while (0)
@@ -129,10 +136,15 @@ __global__ void kdtree_trace_dump_kernel() {
                "start %lld, tile 0 issued %lld, tiles < %d issued %lld, ring issued %lld\n", r.item, g[1] - g[0],
                g[2] - g[0], g[3] - g[0], g[4] - g[0], g[5] - g[0], trace::g_dual_qfirst, g[6] - g[0], g[7] - g[0]);
       }
-      for (int t = 0; t < min(r.tiles, trace::kTiles); ++t) {
-        const unsigned* e = trace::g_tile[b][k][t];
-        printf("TRACE block %d item %d it %2d | %6u %6u %6u %6u | %6u %6u %6u %6u | %6u %6u | %6u %6u %6u"
-               " | %6u %6u %6u\n", b, r.item, t, e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10],
+      for (int t = 0; b == 0 && k == 0 && t < min(r.tiles, trace::kTiles); ++t) {
+        unsigned* const raw = trace::g_tile[t];
+        int e[trace::kStamps];   // from the item's start; 0 where nothing was stamped
+        for (int i = 0; i < trace::kStamps; ++i) {
+          e[i] = raw[i] ? (int)(raw[i] - trace::g_item_start[k]) : 0;
+          raw[i] = 0;
+        }
+        printf("TRACE block %d item %d it %2d | %6d %6d %6d %6d | %6d %6d %6d %6d | %6d %6d | %6d %6d %6d"
+               " | %6d %6d %6d\n", b, r.item, t, e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10],
                e[11], e[12], e[13], e[14], e[15]);
       }
     }
@@ -151,7 +163,7 @@ __global__ void kdtree_trace_dump_kernel() {
 }
 #else
 #define KDTREE_TRACE_ITEM_START
-#define KDTREE_DTRACE_ITEM_START
+#define KDTREE_DTRACE_ITEM_START(cond) do { } while (0)
 #define KDTREE_DTRACE(e) do { } while (0)
 #define KDTREE_DSTART(cond, e) do { } while (0)
 #define KDTREE_DTRACE_ITEM(cond, item, tiles, q_first) do { } while (0)
