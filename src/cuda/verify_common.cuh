@@ -113,11 +113,12 @@ struct Params {
   const uint8_t* pack_mask;
   const int64_t* pack_mask_indptr;
   // TMA descriptors (CUtensorMap, 128 B each) of q_nope and q_pe as 2-D [num_tokens x heads rows, 512 | 64 columns]
-  // bf16 tensors with 64 x 64 boxes and the 128-byte swizzle of the q slabs, for the dual kernel's q load; q_tma = 0
-  // when the host did not build them (another kernel, q rows not evenly strided, KDTREE_Q_TMA=0).
-  // The kernel passes their parameter-space addresses to cp.async.bulk.tensor (__grid_constant__).
+  // bf16 tensors with 64 x 64 boxes and the 128-byte swizzle of the q slabs, for the dual kernel's q load, and (the
+  // FP8 form's) of q8 as [num_tokens x heads rows, 576 columns] of 2-byte units, a row's hi and lo terms in the bytes
+  // of a bf16 row; q_tma = 0 when the host did not build them (another kernel, q rows not evenly strided,
+  // KDTREE_Q_TMA=0). The kernel passes their parameter-space addresses to cp.async.bulk.tensor (__grid_constant__).
   struct alignas(64) TmaMap { unsigned long long w[16]; };
-  TmaMap q_map[2];
+  TmaMap q_map[3];
   int q_tma;
   // The drafts form a split of their own (ReqPlan::chunked): set for e4m3 pools and for KV scales, where prefix keys
   // are read and scaled differently from the bf16 drafts.

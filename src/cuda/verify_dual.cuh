@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       const int nt = cx.ntiles;
       const bool e4 = Fp8 && !drafts_split(cx);   // e4m3 tiles, q's e4m3 terms
       const int ring = e4 ? kRing8 : kRing;
-      KDTREE_DTRACE_ITEM_START;   // (TRACE) just after the item fetch, as the value side's
+      KDTREE_DTRACE_ITEM_START(tid == 0);   // (TRACE) just after the item fetch
       KDTREE_DSTART(tid == 0, 0);
       // FP8: this warpgroup gathers its own tiles (t % 2 == s), half a ring ahead: tile u into buffer u % ring once the
       // value warpgroups are done with tile u - ring there (empty); copier thread st: copy_tile8 (e4m3 tiles) or
@@ -240,12 +240,13 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
         if (k > 0) mbar_wait(&sm.ring_free, (k - 1) & 1);
       }
 
-      // q of the item: nine TMA boxes (64 rows x one 64-column slab each) from one thread (the 256 score threads'
-      // 4,608 16-byte copies take ~7,900 clocks to issue beside the first tiles; by TMA q lands at ~3,300-3,800:
-      // -7.5% at H16 N9 P8192, ~-1% at P131072, H200), or over the 256 score threads, all copies in flight at once
-      const bool q_tma = !Fp8 && prm.q_tma;
+      // q of the item (an e4m3 item's: its e4m3 terms, written by the prep kernel): nine TMA boxes (64 rows x one
+      // 64-column slab each) from one thread (the 256 score threads' 4,608 16-byte copies take ~7,900 clocks to issue
+      // beside the first tiles; by TMA q lands at ~3,300-3,800: -7.5% at H16 N9 P8192, ~-1% at P131072, H200), or
+      // over the 256 score threads, all copies in flight at once
+      const bool q_tma = prm.q_tma;
       if (q_tma) {
-        if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land);
+        if (tid == 0) wg::issue_q_tma(prm, cx, H, sm.q, &sm.q_land, e4);
       } else {
         // (the thread index read again per item, so that ptxas does not keep this path's per-thread addresses live
         // across the item loop at 56 registers, which spilled them)
@@ -417,7 +418,6 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       const int nt = cx0.ntiles;
       const bool e4 = Fp8 && !drafts_split(cx0);   // O^T = V^T P^T on e4m3 tiles (values8)
       const int ring = e4 ? kRing8 : kRing;
-      KDTREE_DTRACE_ITEM_START;
       KDTREE_DSTART(vt == 0, 4);
 
       float o[128];
@@ -509,7 +509,6 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       if (item >= total) return;
       const ItemCtx cx = item_ctx<kBlockM, kTileN, Fp8>(prm, item);
       const int nt = cx.ntiles;
-      KDTREE_DTRACE_ITEM_START;
       long long slot[kProducerKeys], next[kProducerKeys], ahead[kProducerKeys];
       wg::tile_slots<kProducerKeys>(prm, cx, 0, pt, slot);
       wg::tile_slots<kProducerKeys>(prm, cx, 1, pt, next);

@@ -402,7 +402,8 @@ cudaError_t launch_pack(const uint8_t* custom_mask, const int64_t* mask_indptr, 
   } while (0)
 
 // The dual kernel's q tensor maps (Params::q_map): q_nope and q_pe as 2-D bf16 tensors of T x H rows (512 and 64
-// columns) with 64 x 64 boxes in the q slabs' 128-byte swizzle. Built where every row of q is one stride after the
+// columns) with 64 x 64 boxes in the q slabs' 128-byte swizzle, and for its FP8 form also q's e4m3 terms in the
+// workspace (q8: 1,152 bytes a row, mapped as 576 2-byte columns). Built where every row of q is one stride after the
 // previous (a token's stride H head strides, or one head, or one token); otherwise, or without the driver's encoder,
 // q_tma stays 0 and the kernel copies q with cp.async. Encoding is host work on the call's own values: no device call,
 // no synchronisation.
@@ -442,14 +443,15 @@ long long uniform_row_stride(long long st, long long sh, int tokens, int heads) 
   if (tokens == 1 || st == heads * sh) return sh;
   return 0;
 }
-bool build_q_maps(Params& prm, const kdtree_verify_params* p) {
+bool build_q_maps(Params& prm, const kdtree_verify_params* p, bool q8) {
   const EncodeTiled enc = tensor_map_encoder();
   if (!enc) return false;
   const long long rows = (long long)p->num_tokens * p->num_heads;
   const long long sn = uniform_row_stride(p->q_nope_stride_t, p->q_nope_stride_h, p->num_tokens, p->num_heads);
   const long long sp = uniform_row_stride(p->q_pe_stride_t, p->q_pe_stride_h, p->num_tokens, p->num_heads);
   return sn > 0 && sp > 0 && encode_q_map(enc, &prm.q_map[0], p->q_nope, rows, KDTREE_HEAD_DIM_NOPE, sn) &&
-         encode_q_map(enc, &prm.q_map[1], p->q_pe, rows, KDTREE_HEAD_DIM_PE, sp);
+         encode_q_map(enc, &prm.q_map[1], p->q_pe, rows, KDTREE_HEAD_DIM_PE, sp) &&
+         (!q8 || encode_q_map(enc, &prm.q_map[2], prm.q8, rows, kdtree::kDimQK, kdtree::kQ8RowBytes / 2));
 }
 
 }  // namespace
@@ -544,9 +546,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   prm.done_arrivals = dev.early_combine ? split.done_arrivals : 0;
   prm.pack_mask = p->pack_custom_mask;
   prm.pack_mask_indptr = p->pack_mask_indptr;
-  // (only the bf16 dual kernel reads them: the FP8 form's prefix items read q's e4m3 terms, and its q copies are all of
-  // one kind, which its q mbarrier's parity counts on)
-  prm.q_tma = dev.q_tma && call == KDTREE_KERNEL_DUAL && build_q_maps(prm, p);
+  // (the FP8 form loads every item's q by TMA or none: its q mbarrier's parity counts the items)
+  prm.q_tma = dev.q_tma && (call == KDTREE_KERNEL_DUAL || call == KDTREE_KERNEL_DUAL_FP8) &&
+              build_q_maps(prm, p, call == KDTREE_KERNEL_DUAL_FP8);
   // every e4m3 call runs an FP8 kernel, and all of them, like the scaled one, take the drafts apart
   prm.drafts_apart = p->kv_dtype == KDTREE_KV_E4M3 || call == KDTREE_KERNEL_MMA_SCALED;
   prm.k_scale = p->k_scale;

@@ -209,16 +209,19 @@ __device__ __forceinline__ void merge_row_sums(const float* xl, const float* xmu
   }
 }
 
-// q of a 64-row item by TMA, from one thread: nine boxes (64 rows x one 64-column slab each) of the call's two tensor
-// maps (q_nope, q_pe as T x H rows) into `q` (9 slabs of 64 x 128 B, 128-byte swizzle), completing on `land` with their
-// bytes. Rows past the tensor's last are zeros; rows of the next request are padding rows, computed and dropped.
+// q of a 64-row item by TMA, from one thread: nine boxes (64 rows x one 64-column slab each) of the call's tensor maps
+// (q_nope, q_pe as T x H rows; or, q8_rows, q's e4m3 terms) into `q` (9 slabs of 64 x 128 B, 128-byte swizzle),
+// completing on `land` with their bytes. Rows past the tensor's last are zeros; rows of the next request are padding
+// rows, computed and dropped.
 __device__ __forceinline__ void issue_q_tma(const Params& prm, const ItemCtx& cx, int H, unsigned char* q,
-                                            unsigned long long* land) {
+                                            unsigned long long* land, bool q8_rows = false) {
   mbar_arrive_expect_tx(land, kSlabs * kBlockM * 128);
   const int y = cx.rp.qo_begin * H + cx.row0;   // the item's first row of the [T x H] rows
 #pragma unroll
-  for (int sl = 0; sl < kSlabs; ++sl)
-    tma_load_2d(q + sl * kBlockM * 128, &prm.q_map[sl == kSlabs - 1], sl == kSlabs - 1 ? 0 : sl * 64, y, land);
+  for (int sl = 0; sl < kSlabs; ++sl) {
+    const int map = q8_rows ? 2 : sl == kSlabs - 1;
+    tma_load_2d(q + sl * kBlockM * 128, &prm.q_map[map], map == 1 ? 0 : sl * 64, y, land);
+  }
 }
 
 // Chunk cc (0..7) of each of the 9 slabs of key kt of tile t (TileN keys: 32, or the skinny kernel's 64) into the
