@@ -133,8 +133,12 @@ __global__ void kdtree_trace_dump_kernel() {
       if (b == 0 && k == 0 && trace::g_dual_qfirst) {   // the dual kernel's item start
         const long long* g = trace::g_dual_start;
         printf("TRACE block 0 item %d start | q issued %lld, q landed (thread 0) %lld, (all) %lld | value side: "
-               "start %lld, tile 0 issued %lld, tiles < %d issued %lld, ring issued %lld\n", r.item, g[1] - g[0],
-               g[2] - g[0], g[3] - g[0], g[4] - g[0], g[5] - g[0], trace::g_dual_qfirst, g[6] - g[0], g[7] - g[0]);
+               "start %lld", r.item, g[1] - g[0], g[2] - g[0], g[3] - g[0], g[4] - g[0]);
+        if (g[5])   // (the FP8 form has no producer: its score warpgroups issue the tiles before q's stamp 1)
+          printf(", tile 0 issued %lld, tiles < %d issued %lld, ring issued %lld", g[5] - g[0], trace::g_dual_qfirst,
+                 g[6] - g[0], g[7] - g[0]);
+        printf("\n");
+        for (int i = 5; i < 8; ++i) trace::g_dual_start[i] = 0;
       }
       for (int t = 0; b == 0 && k == 0 && t < min(r.tiles, trace::kTiles); ++t) {
         unsigned* const raw = trace::g_tile[t];
