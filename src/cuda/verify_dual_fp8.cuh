@@ -45,7 +45,8 @@ __device__ __forceinline__ void copy_tile8(uint32_t buf, unsigned long long* ful
 // B descriptors live across the loop, which spilled. Accuracy: Hopper's e4m3 wgmma adds into its accumulator with
 // fewer bits than fp32, so each step into a full-size sum costs some, which shows at large |q| (a row's scores spanning
 // ~1e3 in log2 units at |q| ~ 1e3): median relative error over 8 inputs 6.9e-2 in this order, 8.4e-2 with hi(q) first,
-// 3.3e-2 with lo(q) first (its small sums added while the accumulator is small); 2.7e-3 / 3.0e-3 / 2.5e-3 at |q| ~ 1.
+// 3.3e-2 with lo(q) first (its small sums added while the accumulator is small); 2.7e-3 / 3.0e-3 / 2.5e-3 at |q| ~ 1
+// (these with P in two e4m3 terms; in one, P's rounding sets the error at |q| ~ 1: 1.1e-2).
 __device__ __forceinline__ void scores8(float (&sc)[16], uint32_t kv, const SmemDesc& qd) {
   wg::wg_fence();
 #pragma unroll
