@@ -7,7 +7,8 @@ Three calls on the same batch (=== repeat 0, 1, 2). After each, blocks 0 and 1 (
 per work item and one per 32-key tile of its first tiles (the dual kernel: of its first item): SM clocks since the item
 started (the dual kernel: since score thread 0 started it) at each stamp the TRACE build records (the score side's tile
 landed, S done, P published; the value side's P taken, P V issued and done, the buffer released; the producer's copies
-started and issued), in the order the kernels number them where they take them. The dual and skinny kernels add a line
+started and issued), in the order the kernels number them where they take them (0 where a kernel takes none: the
+dual kernel's FP8 form leaves its score side's loop top unstamped). The dual and skinny kernels add a line
 for the start of block 0's first item (q issued and landed, the first tiles issued). The wgmma kernels keep their stamps
 in global memory and a one-thread kernel prints them after the call (src/cuda/verify_profiling.cuh): a printf inside a
 kernel is a function call, across which ptxas serialises every wgmma (tests/test_ptxas.py checks the TRACE build for

@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
       constexpr int kGroups = kTileN / 8;
       float sc[4 * kGroups];
       for (int t = s; t < nt; t += 2) {
-        if ((warp & 3) == 0) KDTREE_DTRACE(0);
+        // (TRACE: the FP8 form's loop top goes unstamped; with that stamp too, ptxas serialises its wgmma, C7511)
+        if (!Fp8 && (warp & 3) == 0) KDTREE_DTRACE(0);
         mbar_wait_buffer(sm.full, full_bits, ring_buffer<Fp8>(t, ring));   // every copier thread's copies landed
         fence_proxy_async();   // cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
         if (e4) {
@@ -344,15 +345,6 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
           }
           mbar_arrive(&sm.m_full[s]);
         }
-        // FP8: this warpgroup's tile t + ahead, once the other score warpgroup has this tile's maxima, before P: here
-        // the copies' issue is off the path from S to the other warpgroup's next tile (H100, H16 N9 P131072: 145.4 us
-        // against 149.5 right after S, 150.3 before the wait for the tile; B8 332.4 / 339.2 / 341.6)
-        if constexpr (Fp8) {
-          if (t + ahead < nt) {
-            gather(t + ahead);
-            load_slots(t + ahead + 2);
-          }
-        }
         // this warpgroup's sums move from its previous tile's reference to this one's
         float lfac[2];
         move_sums_reference(mu, m_use, lfac);
@@ -384,6 +376,19 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
         mbar_arrive(&sm.p_full[s]);
         bar_arrive(kBarPFull + s, 128 + kValueThreads);
         if ((warp & 3) == 0) KDTREE_DTRACE(3);
+        // FP8: this warpgroup's tile t + ahead, once P is published, so that the copies' issue is off the paths from
+        // S to P and from S to the other warpgroup's next tile (issued between the maxima and P, they held an item's
+        // first P back ~6,000 SM clocks, TRACE, against ~1,750 a tile later). H100, one tools/ab_variants.sh run,
+        // H16 N9 P131072 / P8192 / B8 / H128 N9 P32768: 134.5 / 32.5 / 300.6 / 201.8 us here against 137.4 / 32.7 /
+        // 303.7 / 207.3 between the maxima and P (here for each warpgroup's first tile only: 138.6 / 33.8 / 306.9 /
+        // 208.7); between the maxima and P, 145.4 us at P131072 against 149.5 right after S and 150.3 before the wait
+        // for the tile (P in two terms, another run)
+        if constexpr (Fp8) {
+          if (t + ahead < nt) {
+            gather(t + ahead);
+            load_slots(t + ahead + 2);
+          }
+        }
       }
 
       // end of the item: warpgroup 1's sums (relative to its latest m_use) go to warpgroup 0, which adds
