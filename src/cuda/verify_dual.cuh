@@ -253,9 +253,9 @@ __global__ void __launch_bounds__(kThreads<Fp8>, 1) kdtree_verify_split_dual_ker
         wg::issue_q_copies(prm, cx, H, sm.q, thread_index_now(), 256, e4);
       }
       if constexpr (Fp8) {
-        // q's copies committed as a group (waited for below; the group also takes the previous item's last tile
-        // copies, landed by now), then the first tiles, whose mbarrier arrivals wait for q's copies as well (an
-        // arrive.noinc counts every earlier cp.async of the thread; S waits for q anyway)
+        // q's copies (without TMA) committed as a group (waited for below; the group also takes the previous item's
+        // last tile copies, landed by now), then the first tiles, whose mbarrier arrivals wait for q's copies as well
+        // (an arrive.noinc counts every earlier cp.async of the thread; S waits for q anyway)
         cp_async_commit();
         for (int u = s; u < ahead; u += 2) {
           load_slots(u);
