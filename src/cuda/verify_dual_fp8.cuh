@@ -77,8 +77,8 @@ __device__ __forceinline__ void softmax_p8(float (&sc)[16], const float (&m_use)
   uint32_t w[2];                    // [half]: the word of key groups j - 1, j
   float rounding[2] = {0.f, 0.f};   // what the stored term adds to the sums beyond P
   softmax_p_pairs<kTileN / 8>(sc, m_use, lfac, l_own, [&](int j, int half, float p0, float p1) {
-    const uint32_t h = cvt_e4m3x2(448.f * p0, 448.f * p1);
-    const float2 stored = f16x2_to_float2(e4m3x2_to_f16x2(h));
+    uint32_t h;
+    const float2 stored = round_e4m3x2(448.f * p0, 448.f * p1, h);
     rounding[half] += (stored.x + stored.y) * (1.f / 448.f) - (p0 + p1);
     if ((j & 1) == 0) {
       w[half] = h & 0xffffu;

@@ -126,13 +126,17 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
   asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
   return r;
 }
+// Two floats as two e4m3, packed as cvt_e4m3x2 packs them, into `packed`; returns the values they stand for (the dual
+// kernel's one-term P, verify_dual_fp8.cuh).
+__device__ __forceinline__ float2 round_e4m3x2(float x0, float x1, uint32_t& packed) {
+  packed = cvt_e4m3x2(x0, x1);
+  return f16x2_to_float2(e4m3x2_to_f16x2(packed));
+}
 // Two floats as two e4m3 terms each, hi = e4m3(x) and lo = e4m3(x - hi), each pair packed as cvt_e4m3x2 packs it;
 // returns the values hi + lo stand for (q's split, verify_q8.cuh; P's, verify_skinny_fp8.cuh).
 __device__ __forceinline__ float2 split_e4m3x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = cvt_e4m3x2(x0, x1);
-  const float2 h = f16x2_to_float2(e4m3x2_to_f16x2(hi));
-  lo = cvt_e4m3x2(x0 - h.x, x1 - h.y);
-  const float2 l = f16x2_to_float2(e4m3x2_to_f16x2(lo));
+  const float2 h = round_e4m3x2(x0, x1, hi);
+  const float2 l = round_e4m3x2(x0 - h.x, x1 - h.y, lo);
   return make_float2(h.x + l.x, h.y + l.y);
 }
 // Four e4m3 (a 32-bit word) to four bf16 (two words), exactly: e4m3 -> f16 (cvt) -> f32, whose upper halves are the
