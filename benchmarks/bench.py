@@ -6,7 +6,7 @@ Writes one JSON record per shape; benchmarks/report.py turns it into docs/result
 
 Conventions (docs/performance.md): CUDA-event medians after warm-up (triton.testing.do_bench), the whole kdtree
 call timed (mask packing + plan + split + combine), a pool several times larger than L2 with shuffled
-slots, random data, floors from the measured H200 ceilings.
+slots, random data, floors from this GPU's ceilings measured at the start of the run (measure_ceilings).
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from kdtree import _ext  # noqa: E402
 from kdtree.layout import build_tree_mask, kv_cache_2d, split_mla_q  # noqa: E402
 from kdtree.synthetic import make_verify_batch  # noqa: E402
 
-MEM_BW = 4.23e12        # B/s, the H200's measured copy bandwidth (docs/performance.md)
-MMA_WGMMA = 773e12      # FLOP/s, the H200's cuBLAS bf16 matmul (the floor's compute rate)
-MMA_SYNC = 640e12       # FLOP/s, the H200's mma.sync m16n8k16 register-only loop
+# The H200's ceilings (docs/performance.md, "The floor"): the floors of a run that does not measure its own
+MEM_BW = 4.23e12        # B/s, a 2 GiB device-to-device copy, bytes read + written
+MMA_WGMMA = 773e12      # FLOP/s, a cuBLAS bf16 matmul (the floor's compute rate)
+MMA_SYNC = 640e12       # FLOP/s, an mma.sync m16n8k16 register-only loop (not measured by this script: the H100 and
+                        # H200 have the same SMs and clocks)
 BYTES_PER_KEY = {"bf16": 576 * 2, "e4m3": 576}
 KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 FLOP_PER_ROW_KEY = 2 * (576 + 512)
@@ -56,14 +58,46 @@ def shapes(quick: bool, small_rows: bool = False):
     return rows
 
 
-def floors(prefixes, heads, n, kv="bf16"):
-    """Bytes, FLOPs and the floors at the H200's ceilings. An e4m3 pool moves half the bytes; its FLOPs are bounded
-    here at the bf16 matrix rates (the ceilings measured), so its floor is a lower bound only where bytes bind."""
+def floors(prefixes, heads, n, kv="bf16", mem_bw=MEM_BW, mma=MMA_WGMMA):
+    """Bytes, FLOPs and the floors at the given ceilings (B/s, FLOP/s; the H200's by default). An e4m3 pool moves half
+    the bytes; its FLOPs are bounded here at the bf16 matrix rate, so its floor is a lower bound only where bytes
+    bind."""
     keys = sum(p + n for p in prefixes)
     rows = heads * n
     byts = keys * BYTES_PER_KEY[kv]
     flops = FLOP_PER_ROW_KEY * rows * keys
-    return byts, flops, max(byts / MEM_BW, flops / MMA_WGMMA), max(byts / MEM_BW, flops / MMA_SYNC)
+    return byts, flops, max(byts / mem_bw, flops / mma), max(byts / mem_bw, flops / MMA_SYNC)
+
+
+def measure_ceilings(rep_ms=200, warmup_ms=300):
+    """This GPU's ceilings, measured as the H200's were (docs/performance.md): a 2 GiB bf16 device-to-device copy
+    (bytes read + written, the floor's memory rate), a cuBLAS bf16 8192^3 matmul (its compute rate); and, not a
+    ceiling but the rate a plain gather gets from the benchmark's pool, torch.index_select of 131,072 shuffled rows
+    of 576 and 1,152 bytes (one e4m3 / bf16 key) as 16-byte elements, bytes read + written. Each after 300 ms of
+    warm-up: with 25 ms, two processes in a row on one H100 measured the matmul at 702 and 777 TFLOP/s."""
+    from triton.testing import do_bench
+
+    def med_s(fn):
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bps = 2 * src.numel() * src.element_size() / med_s(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_flops = 2 * 8192 ** 3 / med_s(lambda: a @ b)
+    del a, b
+    ceil = dict(copy_tbps=copy_bps / 1e12, matmul_tflops=mm_flops / 1e12)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.randperm(MIN_POOL_SLOTS, generator=g)[:131072].cuda()
+    for kv, row in BYTES_PER_KEY.items():
+        pool = torch.zeros(MIN_POOL_SLOTS, row // 16, dtype=torch.complex128, device="cuda")
+        out = torch.empty(idx.numel(), row // 16, dtype=torch.complex128, device="cuda")
+        ceil[f"gather_{kv}_tbps"] = 2 * idx.numel() * row / med_s(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e12
+        del pool, out
+    torch.cuda.empty_cache()
+    return ceil
 
 
 def bench_ms(fn, rep_ms):
@@ -117,7 +151,7 @@ def graph_bench_ms(fn, rep_ms=300):
     return bench_ms(g.replay, rep_ms)
 
 
-def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16"):
+def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16", ceil=None):
     b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask, kv=kv,
                                     pad=s.get("pad", 0), causal_none=s.get("causal_none", False),
                                     shuffle=s.get("shuffle", True))
@@ -133,7 +167,8 @@ def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16"):
                shuffled=s.get("shuffle", True), mask_packed="separately" if separate_mask else "in the call",
                kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)
-    byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"], kv)
+    rates = dict(mem_bw=ceil["copy_tbps"] * 1e12, mma=ceil["matmul_tflops"] * 1e12) if ceil else {}
+    byts, flops, floor, floor_sync = floors(s["prefixes"], h, s["n"], kv, **rates)
     rec.update(kv_bytes=byts, flops=flops, floor_us=floor * 1e6, floor_mma_sync_us=floor_sync * 1e6,
                kdtree_gbps=byts / (kd_ms * 1e-3) / 1e9, kdtree_tflops=flops / (kd_ms * 1e-3) / 1e12,
                pct_floor=100 * floor / (kd_ms * 1e-3))
@@ -203,15 +238,21 @@ def main():
     ap.add_argument("--separate-mask", action="store_true",
                     help="the whole call packs the mask with build_tree_mask's kernel first")
     ap.add_argument("--kv", choices=sorted(KV_DTYPES), default="bf16", help="the pool's element type")
+    ap.add_argument("--h200-ceilings", action="store_true",
+                    help="floors at the H200's ceilings instead of this GPU's, measured at the start")
     args = ap.parse_args()
     extend_fwd = None if args.no_sglang else sglang_extend()
     env = environment()
     print(f"[bench] {env['gpu']}, split kernel {env['split_kernel']}", file=sys.stderr)
+    ceil = None
+    if not args.h200_ceilings:
+        ceil = env["ceilings"] = measure_ceilings()
+        print("[bench] ceilings: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()), file=sys.stderr)
     recs = []
     for i, s in enumerate(shapes(args.quick, args.small_rows)):
         if args.only and not any(o and o in s["name"] for o in args.only.split(",")):
             continue
-        rec = run_shape(s, extend_fwd, seed=100 + i, separate_mask=args.separate_mask, kv=args.kv)
+        rec = run_shape(s, extend_fwd, seed=100 + i, separate_mask=args.separate_mask, kv=args.kv, ceil=ceil)
         recs.append(rec)
         print(f"{rec['name']:<34} kdtree {rec['kdtree_us']:8.1f} us (graph {rec['kdtree_graph_us']:8.1f}, "
               f"layer {rec['kdtree_layer_graph_us']:7.1f})  floor {rec['floor_us']:7.1f} us "

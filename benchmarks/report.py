@@ -17,8 +17,28 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLOOR_NOTE = ("floor = max(KV bytes / 4.23 TB/s, FLOPs / 773 TFLOP/s), the H200's measured copy and bf16 matmul rates "
-              "(docs/performance.md)")
+H200_FLOOR_NOTE = ("floor = max(KV bytes / 4.23 TB/s, FLOPs / 773 TFLOP/s), the H200's measured copy and bf16 matmul "
+                   "rates (docs/performance.md)")
+
+
+def floor_note(env):
+    """How the run's floors were taken: this GPU's ceilings measured in the run (bench.py), or the H200's."""
+    c = env.get("ceilings")
+    if not c:
+        return H200_FLOOR_NOTE
+    note = (f"floor = max(KV bytes / {c['copy_tbps']:.2f} TB/s, FLOPs / {c['matmul_tflops']:.0f} TFLOP/s), this GPU's "
+            "copy (2 GiB device to device, bytes read + written) and cuBLAS bf16 matmul rates measured at the start of "
+            "the run")
+    if "gather_e4m3_tbps" in c:
+        note += (f"; a plain gather of the pool's shuffled rows (torch.index_select, bytes read + written) ran at "
+                 f"{c['gather_e4m3_tbps']:.2f} TB/s with 576-byte rows and {c['gather_bf16_tbps']:.2f} with 1,152")
+    return note
+
+
+def floor_label(env):
+    c = env.get("ceilings")
+    return (f"floor ({c['copy_tbps']:.2f} TB/s, {c['matmul_tflops']:.0f} TFLOP/s)" if c
+            else "floor (4.23 TB/s, 773 TFLOP/s)")
 
 
 def gpu_slug(gpu: str) -> str:
@@ -64,7 +84,7 @@ def table(d):
             row += f" {a:.1f} |" if a is not None else " |"
         lines.append(row)
     lines += ["", "GB/s, TFLOP/s, % of floor and speed-up use the graph-replay time (the whole call: mask, plan, split, "
-              f"combine), as SGLang runs verify under CUDA graphs; {FLOOR_NOTE}. \"Graph, mask reused\" is the "
+              f"combine), as SGLang runs verify under CUDA graphs; {floor_note(env)}. \"Graph, mask reused\" is the "
               "per-layer call of the SGLang integration, which packs the tree mask once per forward pass: plan, split, "
               "combine."]
     if vs_ref:
@@ -130,7 +150,7 @@ def plot(d, path):
     ax.plot(x, [r["kdtree_graph_us"] for r in rows], "o-", label=f"kdtree (graph replay{kernel})")
     if all("sglang_us" in r for r in rows):
         ax.plot(x, [r["sglang_us"] for r in rows], "s-", label="SGLang Triton extend_attention_fwd")
-    ax.plot(x, [r["floor_us"] for r in rows], "k--", label="floor (4.23 TB/s, 773 TFLOP/s)")
+    ax.plot(x, [r["floor_us"] for r in rows], "k--", label=floor_label(d["env"]))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("prefix length (tokens)")
