@@ -284,8 +284,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& sm = wg::smem_1k<Smem>(smem_raw);
   const int tid = threadIdx.x;
+  KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
   grid_dependency_wait();   // the prep kernel's plan and q rows
+  KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;
 
@@ -307,7 +309,10 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
     uint32_t seq = 0;   // tiles consumed by this block: stage seq % kStages, phase seq / kStages
     for (int k = 0;; ++k) {
       const int item = fetch_item(k);
-      if (item >= total) break;
+      if (item >= total) {
+        KDTREE_TIMELINE(2, 2);   // (the consumer's last stores are issued)
+        break;
+      }
       const ItemCtx cx = item_ctx<kRows, kTileN, true>(prm, item);
       const bool prefix = !drafts_split(cx);
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads, prefix);
