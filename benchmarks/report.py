@@ -156,7 +156,7 @@ def plot(d, path):
     ax.set_xlabel("prefix length (tokens)")
     ax.set_ylabel("time per verify call (us)")
     env = d["env"]
-    ax.set_title(f"MLA tree verify, B=1, H=16, N=9, {kv_type(d)} KV - {env['gpu']}, {env['date']}")
+    ax.set_title(f"MLA tree verify, B=1, H=16, N=9, {kv_type(d)} KV - {env['gpu']}, {env['date']}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
