@@ -36,8 +36,9 @@
 //   shared memory, written by the score warpgroup in the fragments' k order (p8_pair_pos); no lazy reference (P <= 1);
 // - four warpgroups, 512 threads: the score warpgroups gather their own tiles half a ring ahead (no producer), which
 //   leaves 128 registers a thread at launch for the value warpgroups' 176 (kThreads below).
-// Measured on an H100 (H16 N9 P131072, one run): 137.1 us against 116.2 for the bf16 kernel; 145 with P in two e4m3
-// terms, 198 for the form it replaced (keys widened to bf16 in shared memory, beside two bf16 buffers).
+// Measured on an H100 (H16 N9 P131072, one run): 135.2 us against 116.9 for the bf16 kernel. In earlier runs against
+// the same form: 145 with P in two e4m3 terms, 198 for the form it replaced (keys widened to bf16 in shared memory,
+// beside two bf16 buffers).
 #pragma once
 
 #include "verify_dual_fp8.cuh"
