@@ -96,7 +96,8 @@ def measure_ceilings(rep_ms=200, warmup_ms=300):
     for kv, row in BYTES_PER_KEY.items():
         pool = torch.zeros(MIN_POOL_SLOTS, row // 16, dtype=torch.complex128, device="cuda")
         out = torch.empty(idx.numel(), row // 16, dtype=torch.complex128, device="cuda")
-        ceil[f"gather_{kv}_tbps"] = 2 * idx.numel() * row / med_s(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e12
+        t = med_s(lambda: torch.index_select(pool, 0, idx, out=out))
+        ceil[f"gather_{kv}_tbps"] = 2 * idx.numel() * row / t / 1e12
         del pool, out
     torch.cuda.empty_cache()
     return ceil

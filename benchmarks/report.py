@@ -17,18 +17,21 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-H200_FLOOR_NOTE = ("floor = max(KV bytes / 4.23 TB/s, FLOPs / 773 TFLOP/s), the H200's measured copy and bf16 matmul "
-                   "rates (docs/performance.md)")
+H200_CEILINGS = dict(copy_tbps=4.23, matmul_tflops=773)   # docs/performance.md, "The floor"
+
+
+def _floor_rates(c):
+    return f"max(KV bytes / {c['copy_tbps']:.2f} TB/s, FLOPs / {c['matmul_tflops']:.0f} TFLOP/s)"
 
 
 def floor_note(env):
     """How the run's floors were taken: this GPU's ceilings measured in the run (bench.py), or the H200's."""
     c = env.get("ceilings")
     if not c:
-        return H200_FLOOR_NOTE
-    note = (f"floor = max(KV bytes / {c['copy_tbps']:.2f} TB/s, FLOPs / {c['matmul_tflops']:.0f} TFLOP/s), this GPU's "
-            "copy (2 GiB device to device, bytes read + written) and cuBLAS bf16 matmul rates measured at the start of "
-            "the run")
+        return (f"floor = {_floor_rates(H200_CEILINGS)}, the H200's measured copy and bf16 matmul rates "
+                "(docs/performance.md)")
+    note = (f"floor = {_floor_rates(c)}, this GPU's copy (2 GiB device to device, bytes read + written) and cuBLAS "
+            "bf16 matmul rates measured at the start of the run")
     if "gather_e4m3_tbps" in c:
         note += (f"; a plain gather of the pool's shuffled rows (torch.index_select, bytes read + written) ran at "
                  f"{c['gather_e4m3_tbps']:.2f} TB/s with 576-byte rows and {c['gather_bf16_tbps']:.2f} with 1,152")
@@ -36,9 +39,8 @@ def floor_note(env):
 
 
 def floor_label(env):
-    c = env.get("ceilings")
-    return (f"floor ({c['copy_tbps']:.2f} TB/s, {c['matmul_tflops']:.0f} TFLOP/s)" if c
-            else "floor (4.23 TB/s, 773 TFLOP/s)")
+    c = env.get("ceilings") or H200_CEILINGS
+    return f"floor ({c['copy_tbps']:.2f} TB/s, {c['matmul_tflops']:.0f} TFLOP/s)"
 
 
 def gpu_slug(gpu: str) -> str:

@@ -9,6 +9,7 @@ The combine kernel's last block prints one line per call: for mask pack, plan, s
 microseconds from the call's first kernel start to (first block start, first block past
 griddepcontrol.wait, last block end); each replay runs alone (synchronised), KV partly in L2.
 """
+import argparse
 import os
 import sys
 
@@ -17,14 +18,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import verify_call  # noqa: E402
 
-argv = sys.argv[1:]
-separate = "--separate-mask" in argv
-kv = "bf16"
-if "--kv" in argv:
-    i = argv.index("--kv")
-    kv = argv[i + 1]
-    del argv[i:i + 2]
-args = [int(a) for a in argv if a != "--separate-mask"] or [131072, 1, 8192, 9]
+ap = argparse.ArgumentParser(description="per-kernel timeline of one call (a TIMELINE build)")
+ap.add_argument("pairs", nargs="*", type=int, default=[131072, 1, 8192, 9], help="prefix, N pairs (H=16)")
+ap.add_argument("--separate-mask", action="store_true", help="the mask packed by its own kernel first")
+ap.add_argument("--kv", choices=["bf16", "e4m3"], default="bf16", help="the pool's element type")
+a = ap.parse_args()
+separate, kv, args = a.separate_mask, a.kv, a.pairs
 for p, n in zip(args[0::2], args[1::2]):
     b, out, kd, _ = verify_call([p], 16, n, 3, separate_mask=separate, kv=kv)
     kd()
