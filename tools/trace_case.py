@@ -25,8 +25,8 @@ RAGGED = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]   # bench.py's "
 p = sys.argv[1] if len(sys.argv) > 1 else "131072"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 9
 kv = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}[sys.argv[3] if len(sys.argv) > 3 else "bf16"]
-b = make_verify_batch(RAGGED if p == "B8" else [int(p)], 16, n, kind="tree", device="cuda", seed=3, min_pool_slots=262_144,
-                      poison=False, kv_dtype=kv)
+b = make_verify_batch(RAGGED if p == "B8" else [int(p)], 16, n, kind="tree", device="cuda", seed=3,
+                      min_pool_slots=262_144, poison=False, kv_dtype=kv)
 args = b.verify_args()
 for i in range(3):
     print(f"=== repeat {i} P={p} N={n}", flush=True)

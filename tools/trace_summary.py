@@ -3,7 +3,8 @@
     python tools/trace_summary.py trace.log [--repeat 1] [--first 4]
 
 For block 0's first item in the chosen repeat of the call (the last one by default), over its recorded tiles from
---first on (the ring's first tiles start cold), in SM clocks (medians; stamp numbers as in verify_dual.cuh's KDTREE_DTRACE):
+--first on (the ring's first tiles start cold), in SM clocks (medians; stamp numbers as in verify_dual.cuh's
+KDTREE_DTRACE):
 - period: the time between a score warpgroup's P published (3) for tile t and for tile t + 2, halved;
 - value work: the value warpgroup's tile, from P ready or its own loop top (4), whichever is later, to its release (7);
 - value waits for P: the tiles whose P was published after the value side reached them, and how long those waited;
