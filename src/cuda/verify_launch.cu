@@ -114,7 +114,7 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
               sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
               kdtree::MmaHalves::kBlockM, kTileN};
     case KDTREE_KERNEL_MMA_FP8:
-      return {kdtree::kdtree_verify_split_fp8_kernel, kdtree::kThreadsFp8, sizeof(kdtree::SharedStorageFp8),
+      return {kdtree::kdtree_verify_split_fp8_kernel, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorageFp8),
               kdtree::MmaWide::kBlockM, kTileN};
     default:   // KDTREE_KERNEL_MMA_3STAGE
       return {kdtree::kdtree_verify_split_kernel<kdtree::kMaxStages>, kdtree::MmaWide::kThreads,

@@ -183,26 +183,19 @@ __device__ __forceinline__ void rescale_o(float (&o)[RowBlocks][Tiles][4], const
 // (prefix keys from the pool, drafts from k_new), its scores in log2 units times `score_scale` (Params::scale_log2, times
 // k_scale for the prefix items of a scaled call), its output rows times `out_scale`. Ends after the block's last
 // access to the item's shared memory, with its release to the combine. phase_bits / pair_bits: the calling thread's
-// mbarrier parities, carried from item to item. IdleWarps: warps of the block past the shape's (the FP8 kernel's tail
-// warp, verify_mma_fp8.cuh), which take no part here but its block-wide barriers and keep their key-ring parities.
-// QRegSteps: the k16 steps of q that the score warps hold in registers (the rest, from column 16 QRegSteps on, in
-// sm.q_tail, whose rows must hold that many columns).
-template <int Stages, typename Shape, int IdleWarps = 0, int QRegSteps = kQRegSteps, typename Smem>
+// mbarrier parities, carried from item to item.
+template <int Stages, typename Shape, typename Smem>
 __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const ItemCtx& cx, float score_scale,
                                          float out_scale, uint32_t& phase_bits, uint32_t& pair_bits, int item,
                                          long long t_fetch) {
   constexpr int kBlockM = Shape::kBlockM, kRowBlocks = Shape::kRowBlocks, kKeyHalves = Shape::kKeyHalves;
   constexpr int kScoreWarps = Shape::kScoreWarps, kThreads = Shape::kThreads, kGroups = Shape::kGroups;
-  constexpr int kRegDims = QRegSteps * 16, kSmemDims = kDimQK - kRegDims;   // q's columns: registers, sm.q_tail
-  static_assert(kRegDims <= kDimNope && kSmemDims % 16 == 0, "the register part of q is nope columns only");
-  static_assert(sizeof(sm.q_tail[0]) >= kSmemDims * sizeof(__nv_bfloat16), "q_tail rows hold q's other columns");
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int g = lane >> 2;  // mma group: row within an 8-row half
   const int c = lane & 3;   // thread in group: column pair
-  const bool idle = IdleWarps > 0 && warp >= Shape::kWarps;
-  const int vw = idle ? -1 : warp - kScoreWarps;   // value warp index (negative for score warps and idle ones)
+  const int vw = warp - kScoreWarps;         // value warp index (negative for score warps)
   const bool issuer = vw >= 0 && lane < kKeysPerWarp;   // threads that gather keys (kKeysPerWarp per value warp)
   const int my_key = vw * kKeysPerWarp + lane;          // an issuer's key within each tile
   (void)item;      // (TRACE builds print them)
@@ -213,9 +206,9 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
   long long next_slot = start_key_ring<Stages>(prm, cx, vw, issuer, my_key, [&](int t, long long slot) {
     issue_tile(sm, prm, cx, t, t, vw, lane, slot);
   });   // issuer lanes: slot id of the next tile to issue
-  for (int i = idle ? kBlockM * (kSmemDims / 8) : tid; i < kBlockM * (kSmemDims / 8); i += kThreads) {   // all at once
-    const int r = i / (kSmemDims / 8), ch = i % (kSmemDims / 8);
-    const int d = kRegDims + ch * 8;   // query column
+  for (int i = tid; i < kBlockM * (kQSmemDims / 8); i += kThreads) {   // all copies in flight at once
+    const int r = i / (kQSmemDims / 8), ch = i % (kQSmemDims / 8);
+    const int d = kQRegDims + ch * 8;   // query column
     const __nv_bfloat16* src = prm.zero_row;   // padding rows: zero-filled, nothing read
     if (r < cx.rows) {
       const int rr = cx.row0 + r;
@@ -235,7 +228,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
     const int kh = kKeyHalves == 1 ? 0 : warp / kRowBlocks;      // its key half
     const int wrow = rb * 16;                       // first tile row of this warp
     const bool active = wrow < cx.rows;
-    uint32_t qa[QRegSteps > 0 ? QRegSteps : 1][4];  // q_nope columns [0, 16 QRegSteps) as A fragments
+    uint32_t qa[kQRegSteps][4];                     // q_nope columns [0, 384) as A fragments
     {
       const __nv_bfloat16* qrow[2];
 #pragma unroll
@@ -248,7 +241,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
                                  : nullptr;
       }
 #pragma unroll
-      for (int ks = 0; ks < QRegSteps; ++ks) {
+      for (int ks = 0; ks < kQRegSteps; ++ks) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int half = j & 1, col = ks * 16 + (j >> 1) * 8 + 2 * c;
@@ -277,7 +270,7 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
           const __nv_bfloat16* kbase =
               &sm.kv[b][kh * (kTileN / kKeyHalves) + ((lane >> 4) << 3) + (lane & 7)][((lane >> 3) & 1) * 8];
 #pragma unroll
-          for (int ks = 0; ks < QRegSteps; ++ks) {
+          for (int ks = 0; ks < kQRegSteps; ++ks) {
             uint32_t b0[4], b1[4];
             ldmatrix_x4(b0, kbase + ks * 16);
             if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + ks * 16);
@@ -290,11 +283,11 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
           }
           const __nv_bfloat16* qtbase = &sm.q_tail[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];
 #pragma unroll
-          for (int ks = 0; ks < kSmemDims / 16; ++ks) {
+          for (int ks = 0; ks < kQSmemDims / 16; ++ks) {
             uint32_t a[4], b0[4], b1[4];
             ldmatrix_x4(a, qtbase + ks * 16);
-            ldmatrix_x4(b0, kbase + kRegDims + ks * 16);
-            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kRegDims + ks * 16);
+            ldmatrix_x4(b0, kbase + kQRegDims + ks * 16);
+            if constexpr (kGroups == 4) ldmatrix_x4(b1, kbase + 16 * kKvPitch + kQRegDims + ks * 16);
             mma_bf16(acc[0], a, b0[0], b0[1]);
             mma_bf16(acc[1], a, b0[2], b0[3]);
             if constexpr (kGroups == 4) {
@@ -360,9 +353,6 @@ __device__ __forceinline__ void mma_item(Smem& sm, const Params& prm, const Item
     } else {
       bar_arrive(kBarBlock, kThreads);
     }
-  } else if (idle) {
-    // no keys read: only the key ring's parities advance, as the waits of the other warps advance theirs
-    for (int it = 0; it < cx.ntiles; ++it) phase_bits ^= 1u << (it % Stages);
   } else {
     // =========================== value warps ===========================
     const int col0 = vw * kValueCols;

@@ -14,23 +14,16 @@
 // - q is split into two e4m3 terms with a power-of-two scale per row: q = 2^e (hi + lo / 16), amax |q| / 2^e in
 //   (224, 448]. hi alone is SGLang's e4m3 cast of q (exactly, where q is in e4m3's normal range) and carries its ~3%
 //   error into the scores; hi + lo / 16 leaves ~2^-8, bf16's precision. S = hi . k + (lo . k) / 16 costs two e4m3
-//   products, the time of one bf16 product at the block-scaled rate.
+//   products, the time of one bf16 product at the block-scaled rate. hi lives in registers (72 a thread), lo in
+//   shared memory.
 // - P = 448 * 2^(s - m) with the exact running maximum m (no lazy rescale), e4m3: the same range as SGLang's P * 448.
 // - The row sums add the e4m3 values of P (dequantised, in f16x2), not the float ones, so that the normalisation
 //   divides by exactly what weighted the values: a row dominated by one key comes out as that key's value.
 // Measured against a float64 reference on the dequantised cache (CPU model, random q, k ~ N(0, 1), H16 N9): relative
 // L2 error 1.3-1.5e-2 here against SGLang's 3.5-4.1e-2 at prefixes 64..4096.
 //
-// Layout: the bf16 kernel's 11 warps (3 score, 8 value) and a tail warp; 32-key tiles, kStages8 deep; a key row is
-// 576 bytes padded to 592 (37 16-byte units: ldmatrix rows land in distinct bank groups).
-// - S is shared out over the SM's four sub-partitions (warp w issues on sub-partition w % 4). The score warps 0-2 run
-//   k-steps [0, 14) of their row block's S, hi(q) from their registers and lo(q) from shared memory; the tail warp
-//   (warp 11, on the sub-partition that holds no score warp) runs k-steps [14, 18) of all three row blocks, both
-//   terms from its registers, and hands its partial sums over through shared memory (double-buffered, mbarriers), which
-//   a score warp adds before its softmax. A tile's MMAs per sub-partition: 14 x 8 = 112 of S beside two value warps'
-//   2 x 24 = 48, 160, and the tail's 3 x 4 x 8 = 96 + 48 = 144, against 144 + 48 = 192 on three sub-partitions and 48
-//   on the fourth with the score warps running all 18 k-steps.
-// Fragments of the e4m3 m16n8k32:
+// Layout: 11 warps (3 score, 8 value) as in the bf16 kernel; 32-key tiles, kStages8 deep; a key row is 576 bytes
+// padded to 592 (37 16-byte units: ldmatrix rows land in distinct bank groups). Fragments of the e4m3 m16n8k32:
 // - S: A = q (row-major bytes), B = keys (their rows are k-major already): one ldmatrix.x4 (b16) of 8 keys x 32 bytes
 //   gives two key groups' b0 / b1.
 // - P V: A = P, written by the score warps straight from their accumulators in the order the A fragment wants: k
@@ -49,41 +42,30 @@ namespace kdtree {
 constexpr int kStages8 = 3;                   // e4m3 key buffers (3 x 18.5 KB beside lo(q) fit sm_120's 99 KB)
 constexpr int kKeyBytes8 = kDimQK;            // 576: one bulk copy per key
 constexpr int kKSteps8 = kDimQK / 32;         // 18 k32 steps over the 576 dims
-// The score warps' k-steps of S, [0, kScoreSteps8): hi(q) in their registers (4 a step), lo(q) in shared memory; the
-// tail warp's, [kScoreSteps8, 18): both terms of all 48 rows in its registers (96). 14 balances the sub-partitions
-// (above) and keeps the registers within 168 a thread (12 warps share a sub-partition's 16,384 three to one). The
-// sm_90 stand-in, whose e4m3 mma ptxas emulates with f16 operands in registers, spills a few words (tests/test_ptxas.py
-// bounds it).
-constexpr int kScoreSteps8 = 14;
-constexpr int kTailSteps8 = kKSteps8 - kScoreSteps8;   // 4
-constexpr int kTailWarp = MmaWide::kWarps;             // 11: the block's last warp
-constexpr int kThreadsFp8 = (MmaWide::kWarps + 1) * 32;   // 384
-constexpr int kQPitch8 = kScoreSteps8 * 32 + 16;       // a row of lo(q)'s score steps: 464 B
+// hi(q) of k-steps [0, kQHiRegSteps) lives in the score warps' registers (4 a step), of the last steps in shared
+// memory beside lo(q): with all 18 in registers the kernel spills on sm_120 (168 registers a thread: 11 warps share a
+// sub-partition's 16,384 three to one). The sm_90 stand-in, whose e4m3 mma ptxas emulates with f16 operands in
+// registers, still spills a few words at any split (tests/test_ptxas.py bounds it).
+constexpr int kQHiRegSteps = 14;
+constexpr int kQHiSmemBytes = (kKSteps8 - kQHiRegSteps) * 32;   // 128
+constexpr int kQPitch8 = kDimQK + kQHiSmemBytes + 16;           // a row of lo(q), then hi(q)'s tail: 720 B
 constexpr float kLog2PMax = 8.8073549220576f;   // log2(448): P = 448 * 2^(s - m)
 static_assert(kStages8 <= kMaxStages, "the e4m3 ring uses the bf16 kernel's named barrier ids");
 static_assert(kQPitch8 % 16 == 0 && (kQPitch8 / 16) % 2 == 1, "q rows 16 B aligned, an odd number of 16 B apart");
 
-// The draft items' bf16 pass (mma_item): one key stage and all of q in shared memory, none in the score warps'
-// registers. A call's drafts are one split of at most a few 32-key tiles, so the second stage buys little there, and
-// q in registers (96 a score thread) puts that path, which shares the kernel's registers with the tail warp's and the
-// prefix items' (168 a thread for 12 warps), past them: ptxas spills with it.
-constexpr int kDraftStages = 1;
-constexpr int kDraftQRegSteps = 0;
-
-// Shared memory of the FP8 kernel: the draft items' bf16 layout (the members mma_item reads) and the prefix items' e4m3
-// layout share their bytes; barriers, rescale factors and row sums are common.
+// Shared memory of the FP8 kernel: the draft items' bf16 layout (the members mma_item reads, as SharedStorage<2> has
+// them) and the prefix items' e4m3 layout share their bytes; barriers, rescale factors and row sums are common.
 struct SharedStorageFp8 {
   union {
     struct {
-      __nv_bfloat16 kv[kDraftStages][kTileN][kKvPitch];
-      __nv_bfloat16 q_tail[kBlockM][kDimQK - kDraftQRegSteps * 16 + 8];   // (an odd number of 16-byte units a row)
-      __nv_bfloat16 p[kDraftStages][kBlockM][kTileN];
+      __nv_bfloat16 kv[2][kTileN][kKvPitch];
+      __nv_bfloat16 q_tail[kBlockM][kQSmemPitch];
+      __nv_bfloat16 p[2][kBlockM][kTileN];
     };
     struct {
       uint8_t kv8[kStages8][kTileN][kKeyPitch8];
-      uint8_t q8[kBlockM][kQPitch8];              // per row: lo(q) of dims [0, kScoreSteps8 * 32)
+      uint8_t q8[kBlockM][kQPitch8];              // per row: lo(q), then hi(q) of dims [kQHiRegSteps * 32, 576)
       uint8_t p8[kStages8][kBlockM][kTileN];      // P (e4m3) in A-fragment key order, 16-byte halves swizzled
-      float4 xs[2][MmaWide::kRowBlocks][4][32];   // the tail's partial S: [slot][row block][key group][lane]
     };
   };
   float alpha[kStages8][kBlockM];
@@ -91,9 +73,6 @@ struct SharedStorageFp8 {
   float row_m[kBlockM];
   float row_l[kBlockM];
   unsigned long long full[kStages8];
-  unsigned long long xs_full[2];    // the tail's partial S of slot s stored: 32 arrivals
-  unsigned long long xs_empty[2];   // ... and read: 96 arrivals (the score warps)
-  uint32_t xs_seq;                  // the tiles that have gone through the exchange: its mbarriers' parities
   int item, total;
   KDTREE_MMA_TRACE_STORAGE   // TRACE builds: the stamps of the draft items (mma_item)
 };
@@ -120,26 +99,6 @@ __device__ __forceinline__ ItemCtx item_ctx_again(const Params& prm, int item) {
   return item_ctx<kBlockM, kTileN, true>(prm, item);
 }
 
-// A row block's part of S from e4m3 tile keys at kbase (the lane's ldmatrix address: key_lane, key_byte below) over
-// k-steps [K0, K0 + Steps) and key groups [2 H0, 2 H0 + 2 Halves) (16 keys a half, H0 + Halves <= 2): hi(q) of step i
-// in qh(i), lo(q) in ql(i) (A fragments), hi then lo into each key group's accumulator acc[j] (group 2 H0 + j).
-template <int K0, int Steps, int H0 = 0, int Halves = 2, class Hi, class Lo>
-__device__ __forceinline__ void scores8_steps(float (&acc)[2 * Halves][4], const uint8_t* kbase, Hi qh, Lo ql) {
-#pragma unroll
-  for (int i = 0; i < Steps; ++i) {
-    uint32_t kb[Halves][4], al[4];
-#pragma unroll
-    for (int h = 0; h < Halves; ++h) ldmatrix_x4(kb[h], kbase + (H0 + h) * 16 * kKeyPitch8 + (K0 + i) * 32);
-    ql(i, al);
-    const uint32_t(&ah)[4] = qh(i);
-#pragma unroll
-    for (int j = 0; j < 2 * Halves; ++j) {
-      mma_e4m3(acc[j], ah, kb[j >> 1][2 * (j & 1)], kb[j >> 1][2 * (j & 1) + 1]);
-      mma_e4m3(acc[j], al, kb[j >> 1][2 * (j & 1)], kb[j >> 1][2 * (j & 1) + 1]);
-    }
-  }
-}
-
 // One prefix item of the FP8 pass (keys [k0, k1) all in the e4m3 pool), by every thread of the block; as mma_item.
 __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params& prm, const ItemCtx& cx, int item,
                                              uint32_t& phase_bits) {
@@ -151,7 +110,7 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
   const int lane = tid & 31;
   const int g = lane >> 2;
   const int c = lane & 3;
-  const int vw = warp == kTailWarp ? -1 : warp - kScoreWarps;   // value warp index (negative for the others)
+  const int vw = warp - kScoreWarps;
   const bool issuer = vw >= 0 && lane < kKeysPerWarp;
   const int my_key = vw * kKeysPerWarp + lane;
   const int H = prm.heads;
@@ -161,26 +120,25 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
     issue_tile8(sm, prm, cx, t, t, vw, lane, slot);
   });
 
-  // lo(q) of the score warps' k-steps of the item's rows (the prep kernel's, verify_q8.cuh) into shared memory; hi(q)
-  // goes to the score warps' registers, both terms of the last k-steps to the tail warp's
+  // lo(q) and the last steps of hi(q) of the item's rows (the prep kernel's, verify_q8.cuh) into shared memory; the
+  // rest of hi goes to the score warps' registers
   const int wrow = warp * 16;                        // score warps: first tile row of this warp
-  constexpr int kLoChunks = kScoreSteps8 * 2;        // 16-byte chunks of a row's lo(q) in shared memory
-  for (int i = tid; i < kBlockM * kLoChunks; i += kThreadsFp8) {   // all copies in flight at once
-    const int r = i / kLoChunks, ch = i - r * kLoChunks;
+  constexpr int kHiChunks = kQHiSmemBytes / 16;
+  for (int i = tid; i < kBlockM * (kQ8Chunks + kHiChunks); i += kThreads) {   // all copies in flight at once
+    const int r = i / (kQ8Chunks + kHiChunks), ch = i - r * (kQ8Chunks + kHiChunks);
     const long long grow = (long long)cx.rp.qo_begin * H + cx.row0 + r;
-    const void* src = r < cx.rows ? static_cast<const void*>(prm.q8 + grow * kQ8RowBytes + kDimQK + ch * 16)
+    const bool lo = ch < kQ8Chunks;
+    const void* src = r < cx.rows ? static_cast<const void*>(prm.q8 + grow * kQ8RowBytes +
+                                                             (lo ? kDimQK + ch * 16 : kQHiRegSteps * 32 + (ch - kQ8Chunks) * 16))
                                   : static_cast<const void*>(prm.zero_row);
     cp_async_16z(smem_u32(&sm.q8[r][ch * 16]), src, r < cx.rows ? 16 : 0);
   }
   cp_async_wait_all();   // this thread's lo(q) copies (the key rows travel as bulk copies, not cp.async)
-  __syncthreads();   // lo(q) landed for every row
-  // ldmatrix lane addresses of the keys: matrix mi = lane / 8 -> keys (mi / 2) * 8 .., bytes + (mi % 2) * 16 (a key
-  // group's b0, b1)
-  const int key_lane = ((lane >> 4) << 3) + (lane & 7), key_byte = ((lane >> 3) & 1) * 16;
+  __syncthreads();   // lo(q) and hi(q)'s tail landed for every row
 
   if (warp < kScoreWarps) {
     // =========================== score warps ===========================
-    uint32_t qa[kScoreSteps8][4];   // hi(q) as e4m3 A fragments
+    uint32_t qa[kQHiRegSteps][4];   // hi(q) as e4m3 A fragments
     {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -190,7 +148,7 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
         const uint8_t* hi = prm.q8 + grow * kQ8RowBytes + 4 * c;
         if (c == 0) sm.rscale[r] = valid ? prm.scale_log2 * prm.k_scale * prm.q_scale[grow] : 0.f;
 #pragma unroll
-        for (int ks = 0; ks < kScoreSteps8; ++ks)
+        for (int ks = 0; ks < kQHiRegSteps; ++ks)
 #pragma unroll
           for (int j = 0; j < 2; ++j)   // a0 / a1: dims 32 ks + 4c .. (rows g, g + 8); a2 / a3: + 16
             qa[ks][2 * j + half] = valid ? *reinterpret_cast<const uint32_t*>(hi + ks * 32 + j * 16) : 0u;
@@ -200,35 +158,32 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
     const bool active = wrow < cx.rows;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
-    // ldmatrix lane address of lo(q): matrix mi = lane / 8 -> rows (mi % 2) * 8 .., bytes + (mi / 2) * 16 (a0 .. a3)
+    // ldmatrix lane addresses: keys: matrix mi = lane / 8 -> keys (mi / 2) * 8 .., bytes + (mi % 2) * 16 (a key
+    // group's b0, b1); lo(q): rows (mi % 2) * 8 .., bytes + (mi / 2) * 16 (a0 .. a3)
+    const int key_lane = ((lane >> 4) << 3) + (lane & 7), key_byte = ((lane >> 3) & 1) * 16;
     const uint8_t* qlbase = &sm.q8[wrow + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 16];
-    uint32_t xs_seq = sm.xs_seq;
 
     for (int it = 0; it < cx.ntiles; ++it) {
       const int b = it % kStages;
       mbar_wait_buffer(sm.full, phase_bits, b);
       if (it >= kStages) bar_sync(kBarPEmpty + b, kThreads);   // P / alpha[b] of tile it - kStages consumed
-      float acc[4][4] = {};
-      if (active)
-        scores8_steps<0, kScoreSteps8>(
-            acc, &sm.kv8[b][key_lane][key_byte], [&](int i) -> const uint32_t(&)[4] { return qa[i]; },
-            [&](int i, uint32_t(&al)[4]) { ldmatrix_x4(al, qlbase + i * 32); });
-      // the tail's k-steps of the tile (every score warp takes part in the exchange, active or not)
-      const int xslot = xs_seq & 1;
-      mbar_wait(&sm.xs_full[xslot], (xs_seq >> 1) & 1u);
       if (active) {
+        float acc[4][4] = {};
+        const uint8_t* kbase = &sm.kv8[b][key_lane][key_byte];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float4 t = sm.xs[xslot][warp][j][lane];
-          acc[j][0] += t.x;
-          acc[j][1] += t.y;
-          acc[j][2] += t.z;
-          acc[j][3] += t.w;
+        for (int ks = 0; ks < kKSteps8; ++ks) {
+          uint32_t kb[2][4], al[4], ah[4];
+          ldmatrix_x4(kb[0], kbase + ks * 32);                    // keys 0-15: groups 0, 1
+          ldmatrix_x4(kb[1], kbase + 16 * kKeyPitch8 + ks * 32);   // keys 16-31: groups 2, 3
+          ldmatrix_x4(al, qlbase + ks * 32);
+          if (ks >= kQHiRegSteps) ldmatrix_x4(ah, qlbase + kDimQK + (ks - kQHiRegSteps) * 32);
+          const uint32_t(&a)[4] = ks < kQHiRegSteps ? qa[ks] : ah;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {   // hi then lo into each group's accumulator
+            mma_e4m3(acc[j], a, kb[j >> 1][2 * (j & 1)], kb[j >> 1][2 * (j & 1) + 1]);
+            mma_e4m3(acc[j], al, kb[j >> 1][2 * (j & 1)], kb[j >> 1][2 * (j & 1) + 1]);
+          }
         }
-      }
-      mbar_arrive(&sm.xs_empty[xslot]);
-      ++xs_seq;
-      if (active) {
         // scores in log2 units; keys past the split end (zero rows) masked. The rows' factors come from shared memory
         // every tile: held in registers across the loop they were spilled on the sm_90 stand-in.
         const float rs[2] = {sm.rscale[wrow + g], sm.rscale[wrow + g + 8]};
@@ -274,52 +229,6 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
     const float m_true[2] = {m_run[0] - kLog2PMax, m_run[1] - kLog2PMax};
     const ItemCtx ce = item_ctx_again(prm, item);
     finish_rows(prm, ce, H, wrow, g, c, m_true, l_run, sm.row_m, sm.row_l, [] { bar_arrive(kBarBlock, kThreads); });
-  } else if (warp == kTailWarp) {
-    // =========================== tail warp ===========================
-    // both terms of q's last k-steps for the rows g, g + 8 of every row block: A fragments as the score warps' qa
-    uint32_t qt[kRowBlocks][kTailSteps8][2][4];
-#pragma unroll
-    for (int rb = 0; rb < kRowBlocks; ++rb)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = rb * 16 + g + half * 8;
-        const bool valid = r < cx.rows;
-        const uint8_t* row = prm.q8 + ((long long)cx.rp.qo_begin * H + cx.row0 + r) * kQ8RowBytes + 4 * c;
-#pragma unroll
-        for (int i = 0; i < kTailSteps8; ++i)
-#pragma unroll
-          for (int u = 0; u < 2; ++u)   // u: hi, lo
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-              qt[rb][i][u][2 * j + half] =
-                  valid ? *reinterpret_cast<const uint32_t*>(row + u * kDimQK + (kScoreSteps8 + i) * 32 + j * 16) : 0u;
-      }
-    const int rblocks = (cx.rows + 15) / 16;
-    uint32_t xs_seq = sm.xs_seq;
-    for (int it = 0; it < cx.ntiles; ++it) {
-      const int b = it % kStages;
-      mbar_wait_buffer(sm.full, phase_bits, b);
-      const int xslot = xs_seq & 1;
-      mbar_wait(&sm.xs_empty[xslot], ((xs_seq >> 1) & 1u) ^ 1u);   // the slot's tile before last read (none at first)
-#pragma unroll
-      for (int rb = 0; rb < kRowBlocks; ++rb) {
-        if (rb < rblocks) {
-          float acc[4][4] = {};
-#ifndef KDTREE_EXP_TAIL_EMPTY
-          scores8_steps<kScoreSteps8, kTailSteps8>(
-              acc, &sm.kv8[b][key_lane][key_byte], [&](int i) -> const uint32_t(&)[4] { return qt[rb][i][0]; },
-              [&](int i, uint32_t(&al)[4]) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) al[e] = qt[rb][i][1][e];
-              });
-#endif
-#pragma unroll
-          for (int j = 0; j < 4; ++j) sm.xs[xslot][rb][j][lane] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-        }
-      }
-      mbar_arrive(&sm.xs_full[xslot]);
-      ++xs_seq;
-    }
   } else {
     // =========================== value warps ===========================
     const int col0 = vw * kValueCols;   // value dims (= bytes) of this warp
@@ -383,12 +292,11 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
   }
   __syncthreads();   // shared memory of this item fully consumed before the next item's prologue
   if (tid == kThreads - 1) signal_item_done(prm, item_ctx_again(prm, item));
-  if (tid == 0) sm.xs_seq += item_ctx_again(prm, item).ntiles;   // (read again after the next item's claim)
 }
 
-// The FP8 split-K kernel: prefix items in e4m3 (mma_item_fp8), draft items in bf16 (mma_item, kDraftStages), one
+// The FP8 split-K kernel: prefix items in e4m3 (mma_item_fp8), draft items in bf16 (mma_item, 2 stages), one
 // persistent block per SM taking items from the plan's counter.
-__global__ void __launch_bounds__(kThreadsFp8, 1) kdtree_verify_split_fp8_kernel(Params prm) {
+__global__ void __launch_bounds__(MmaWide::kThreads, 1) kdtree_verify_split_fp8_kernel(Params prm) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SharedStorageFp8& sm = *reinterpret_cast<SharedStorageFp8*>(smem_raw);
   const int tid = threadIdx.x;
@@ -397,11 +305,6 @@ __global__ void __launch_bounds__(kThreadsFp8, 1) kdtree_verify_split_fp8_kernel
   uint32_t phase_bits = 0u, pair_bits = 0u;
   if (tid == 0) {
     for (int b = 0; b < kStages8; ++b) mbar_init(&sm.full[b], 1);
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(&sm.xs_full[s], 32);
-      mbar_init(&sm.xs_empty[s], MmaWide::kScoreWarps * 32);
-    }
-    sm.xs_seq = 0u;
     fence_proxy_async();
   }
   __syncthreads();
@@ -417,8 +320,8 @@ __global__ void __launch_bounds__(kThreadsFp8, 1) kdtree_verify_split_fp8_kernel
     const ItemCtx cx = item_ctx<kBlockM, kTileN, true>(prm, item);
     if (!drafts_split(cx))
       mma_item_fp8(sm, prm, cx, item, phase_bits);
-    else   // (the tail warp idles)
-      mma_item<kDraftStages, MmaWide, 1, kDraftQRegSteps>(sm, prm, cx, prm.scale_log2, 1.f, phase_bits, pair_bits, item, 0);
+    else
+      mma_item<2, MmaWide>(sm, prm, cx, prm.scale_log2, 1.f, phase_bits, pair_bits, item, 0);
   }
 }
 
