@@ -10,8 +10,9 @@
 //   KDTREE_EXP_TIMELINE            %globaltimer of each kernel's start, wait and end, of every combine work's steps and
 //                                  of every row tile's release, printed by the combine's last block
 //                                  (tools/timeline_case.py)
-//   KDTREE_EXP_NO_SCORE_MMA        knock-out: S = Q K^T with one k-step of 36 (wgmma kernels), none (mma.sync kernel)
-//   KDTREE_EXP_NO_PV_MMA           knock-out: no P V (O stays zero)
+//   KDTREE_EXP_NO_SCORE_MMA        knock-out: S = Q K^T with one k-step (wgmma kernels: of 36, of 18 on the skinny
+//                                  FP8 form's e4m3 tiles), none (mma.sync kernels)
+//   KDTREE_EXP_NO_PV_MMA           knock-out: no P V (O stays zero; the skinny FP8 form's draft tiles keep theirs)
 //   KDTREE_EXP_NO_GATHER           knock-out: every key copies the zero row instead of its pool row (bf16 and e4m3)
 //   KDTREE_EXP_COMBINE_BLOCKS_DIV  =n: the combine launched with 1/n of its blocks, so that a block runs several works
 #pragma once

@@ -127,6 +127,9 @@ __device__ __forceinline__ void scores_e4m3(float (&s)[8], uint32_t kv, const Sm
       [&](int grp, const uint32_t(&a)[kSLoads][4]) {
 #pragma unroll
         for (int u = 0; u < kSLoads; ++u) {
+          if constexpr (kExpNoScoreMma) {   // profiling aid: one k-step instead of 18
+            if (grp * kSLoads + u > 0) continue;
+          }
           const int off = 32 * (grp * kSLoads + u);
           wgmma_m64n16k32_e4m3_rs(s, a[u], q_at(qd, off));
           wgmma_m64n16k32_e4m3_rs(s, a[u], q_at(qd, kDimQK + off));
@@ -162,6 +165,7 @@ __device__ __forceinline__ void values_e4m3(float (&o)[kVBlocks][8], uint32_t kv
         }
       },
       [&](int grp, const uint32_t(&a)[2][4]) {
+        if constexpr (kExpNoPvMma) return;   // profiling aid: skip O^T += V^T P^T
         const int ss = grp / kPairs;
 #pragma unroll
         for (int v = 0; v < 2; ++v) wgmma_m64n16k32_e4m3_rs(o[2 * (grp % kPairs) + v], a[v], pd_hi.at(ss * 32));
