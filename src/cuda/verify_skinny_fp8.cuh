@@ -49,9 +49,12 @@ static_assert(kDraftKeys % 16 == 0 && kDraftKeys <= kTileN, "draft tiles: whole 
 
 struct Smem {
   unsigned char kv[kStages][kStageBytes];         // 151,552: the staged key rows
-  unsigned char q[wg::kSlabs * kQSlabBytes];      // 18,432: q of the item, bf16 or its e4m3 terms, [slab][row][128 B]
+  // 18,432: q of the item, bf16 or its e4m3 terms, [slab][row][128 B]; after the item's last product, its result
+  // rows, staged as bf16 for 16-byte stores. (A buffer of their own, 16 KB more, measured slower on an H100, e4m3
+  // pool, two rounds each, alternating: H16 N1 P131072 56.9 against 56.0 us, P8192 24.0 against 22.5, P32768 31.1
+  // against 30.0, P185000 69.0 against 68.4; which resource the 16 KB cost was not isolated.)
+  unsigned char q[wg::kSlabs * kQSlabBytes];
   unsigned char p[2][kRows * 128];                // P^T of the latest tile: bf16, or e4m3 hi and lo (128-byte swizzle)
-  __nv_bfloat16 stage[kRows * kDimNope];          // the item's result rows, staged for 16-byte stores
   float red[4][kRows];
   float lred[4][kRows];
   float row_m[kRows], row_l[kRows];
@@ -63,6 +66,7 @@ struct Smem {
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+static_assert(sizeof(Smem::q) >= kRows * kDimNope * sizeof(__nv_bfloat16), "q's bytes hold the item's result rows");
 static_assert((kStages * kStageBytes) % 1024 == 0 && (wg::kSlabs * kQSlabBytes) % 1024 == 0, "q and P^T on 1 KB atoms");
 static_assert(kQ8RowBytes == kKeyBytes, "a row of q's e4m3 terms takes the bytes of a bf16 row");
 
@@ -319,6 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
       }
       const ItemCtx cx = item_ctx<kRows, kTileN, true>(prm, item);
       const bool prefix = !drafts_split(cx);
+      if (k > 0) bar_sync(kBarConsumer, kConsumerThreads);   // the previous item's result rows (in q) are stored
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads, prefix);
       cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
@@ -365,8 +370,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
         mbar_arrive(&sm.empty[b]);   // release: the producer refills the stage
       }
       // prefix items: accumulator row g / g + 8 of a warp is value dim 2g / 2g + 1 of its 16 (values_e4m3)
-      sk::store_item(prm, cx, H, o, m_run, l_part, prefix ? prm.v_scale * (1.f / 448.f) : 1.f, sm.lred, sm.row_m, sm.row_l, sm.stage,
-                     tid, [prefix](int mb, int w, int g, int h) {
+      sk::store_item(prm, cx, H, o, m_run, l_part, prefix ? prm.v_scale * (1.f / 448.f) : 1.f, sm.lred, sm.row_m,
+                     sm.row_l, reinterpret_cast<__nv_bfloat16*>(sm.q), tid, [prefix](int mb, int w, int g, int h) {
                        return mb * wg::kSlabDims + w * 16 + (prefix ? 2 * g + h : g + 8 * h);
                      });
     }
