@@ -55,9 +55,8 @@ static_assert(kMmaM == 64 && kRows == 16 && kTileN == kMmaM, "one wgmma m64n16k1
 
 struct Smem {
   unsigned char kv[kStages][kStageBytes];  // 147,456 at 64 keys: [stage][slab][key][128 B] + pad (1 KB boundary)
-  unsigned char q[kSlabs * kQSlabBytes];   // 18,432: q of the item, [slab][row][128 B]
+  unsigned char q[kSlabs * kQSlabBytes];   // 18,432: q of the item, [slab][row][128 B]; then its result rows (bf16)
   unsigned char p[kRows * 128];            // P^T of the latest tile: [row][64 keys], 128-byte swizzle
-  __nv_bfloat16 stage[kRows * kDimNope];   // the item's result rows, staged for 16-byte stores
   float red[4][kRows];                     // per-warp column maxima of a tile
   float lred[4][kRows];                    // per-warp column sums at the end of an item
   float row_m[kRows], row_l[kRows];        // the item's row statistics, for the partial lse
@@ -69,6 +68,7 @@ struct Smem {
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+static_assert(sizeof(Smem::q) >= kRows * kDimNope * sizeof(__nv_bfloat16), "q's bytes hold the item's result rows");
 static_assert(kSlabBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (kSlabs * kQSlabBytes) % 1024 == 0,
               "slabs, stages and q on 1 KB swizzle atoms");
 
@@ -152,7 +152,8 @@ __device__ __forceinline__ void rescale_o_t(float (&o)[kVBlocks][8], const float
 // End of an item, by the consumer warpgroup: the column sums met over the warpgroup (lred), O^T * out_scale / l staged
 // as the item's bf16 rows (dim_of(mb, warp, g, h): the value dim of the thread's accumulator row 16 warp + g + 8 h of
 // value block mb), then stored 16 B a thread; the row statistics for the partial log-sum-exps of a split request.
-// (stage, lred and the row statistics are written again only after the next item's barriers.)
+// (stage is q's bytes, written again by the next item's q copies only after a consumer barrier; lred and the row
+// statistics only after the next item's barriers.)
 template <class DimOf>
 __device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx, int H, const float (&o)[kVBlocks][8],
                                            const float (&m_run)[4], float (&l_part)[4], float out_scale,
@@ -247,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       }
       KDTREE_SKSTART(k == 0 && tid == 0, 0);
       const ItemCtx cx = item_ctx<kRows, kTileN>(prm, item);
+      if (k > 0) bar_sync(kBarConsumer, kConsumerThreads);   // the previous item's result rows (in q) are stored
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads);
       KDTREE_SKSTART(k == 0 && tid == 0, 1);
       cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
@@ -290,8 +292,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       }
 
       // end of the item: the column sums over the warpgroup, O^T / l staged as the item's bf16 rows, then stored
-      store_item(prm, cx, H, o, m_run, l_part, 1.f, sm.lred, sm.row_m, sm.row_l, sm.stage, tid,
-                 [](int mb, int w, int g, int h) { return mb * kSlabDims + w * 16 + g + 8 * h; });
+      store_item(prm, cx, H, o, m_run, l_part, 1.f, sm.lred, sm.row_m, sm.row_l, reinterpret_cast<__nv_bfloat16*>(sm.q),
+                 tid, [](int mb, int w, int g, int h) { return mb * kSlabDims + w * 16 + g + 8 * h; });
       KDTREE_SKSTART(k == 0 && tid == 0, 5);
       KDTREE_SKTRACE_ITEM(k == 0 && tid == 0, item, cx.ntiles);
     }
