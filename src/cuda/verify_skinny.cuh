@@ -68,7 +68,6 @@ struct Smem {
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
-static_assert(sizeof(Smem::q) >= kRows * kDimNope * sizeof(__nv_bfloat16), "q's bytes hold the item's result rows");
 static_assert(kSlabBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (kSlabs * kQSlabBytes) % 1024 == 0,
               "slabs, stages and q on 1 KB swizzle atoms");
 
@@ -152,13 +151,15 @@ __device__ __forceinline__ void rescale_o_t(float (&o)[kVBlocks][8], const float
 // End of an item, by the consumer warpgroup: the column sums met over the warpgroup (lred), O^T * out_scale / l staged
 // as the item's bf16 rows (dim_of(mb, warp, g, h): the value dim of the thread's accumulator row 16 warp + g + 8 h of
 // value block mb), then stored 16 B a thread; the row statistics for the partial log-sum-exps of a split request.
-// (stage is q's bytes, written again by the next item's q copies only after a consumer barrier; lred and the row
-// statistics only after the next item's barriers.)
-template <class DimOf>
+// The rows are staged in the item's q buffer, free after its last product; the caller's next q copies wait for a
+// consumer barrier (lred and the row statistics are written again only after the next item's barriers).
+template <size_t QBytes, class DimOf>
 __device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx, int H, const float (&o)[kVBlocks][8],
                                            const float (&m_run)[4], float (&l_part)[4], float out_scale,
                                            float (&lred)[4][kRows], float* row_m, float* row_l,
-                                           __nv_bfloat16* stage, int tid, DimOf dim_of) {
+                                           unsigned char (&q_bytes)[QBytes], int tid, DimOf dim_of) {
+  static_assert(QBytes >= kRows * kDimNope * sizeof(__nv_bfloat16), "q's bytes hold the item's result rows");
+  __nv_bfloat16* stage = reinterpret_cast<__nv_bfloat16*>(q_bytes);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   km::reduce_over_key_rows(l_part, km::add_op);
   if (g == 0) {
@@ -292,8 +293,8 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_kernel
       }
 
       // end of the item: the column sums over the warpgroup, O^T / l staged as the item's bf16 rows, then stored
-      store_item(prm, cx, H, o, m_run, l_part, 1.f, sm.lred, sm.row_m, sm.row_l, reinterpret_cast<__nv_bfloat16*>(sm.q),
-                 tid, [](int mb, int w, int g, int h) { return mb * kSlabDims + w * 16 + g + 8 * h; });
+      store_item(prm, cx, H, o, m_run, l_part, 1.f, sm.lred, sm.row_m, sm.row_l, sm.q, tid,
+                 [](int mb, int w, int g, int h) { return mb * kSlabDims + w * 16 + g + 8 * h; });
       KDTREE_SKSTART(k == 0 && tid == 0, 5);
       KDTREE_SKTRACE_ITEM(k == 0 && tid == 0, item, cx.ntiles);
     }

@@ -66,7 +66,6 @@ struct Smem {
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
-static_assert(sizeof(Smem::q) >= kRows * kDimNope * sizeof(__nv_bfloat16), "q's bytes hold the item's result rows");
 static_assert((kStages * kStageBytes) % 1024 == 0 && (wg::kSlabs * kQSlabBytes) % 1024 == 0, "q and P^T on 1 KB atoms");
 static_assert(kQ8RowBytes == kKeyBytes, "a row of q's e4m3 terms takes the bytes of a bf16 row");
 
@@ -371,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
       }
       // prefix items: accumulator row g / g + 8 of a warp is value dim 2g / 2g + 1 of its 16 (values_e4m3)
       sk::store_item(prm, cx, H, o, m_run, l_part, prefix ? prm.v_scale * (1.f / 448.f) : 1.f, sm.lred, sm.row_m,
-                     sm.row_l, reinterpret_cast<__nv_bfloat16*>(sm.q), tid, [prefix](int mb, int w, int g, int h) {
+                     sm.row_l, sm.q, tid, [prefix](int mb, int w, int g, int h) {
                        return mb * wg::kSlabDims + w * 16 + (prefix ? 2 * g + h : g + 8 * h);
                      });
     }
