@@ -32,7 +32,8 @@ using kdtree::ReqPlan;
 constexpr size_t kAlign = 256;
 constexpr int kMaxDevices = 64;
 // A long request becomes ~KDTREE_SPLITS_PER_SM work items per SM (one CTA per SM). 1: against 2 (twice the partials
-// and item starts) it is faster on every benchmark shape on the H200, 8% at H16 N9 P131072 and 16% at B8.
+// and item starts) it is faster on every benchmark shape on the H200, 8% at H16 N9 P131072 and 16% at B8, and on the
+// H100 for the skinny FP8 form, 5-8% at H16 N1 P131072 / P185000 (docs/performance.md).
 #ifndef KDTREE_SPLITS_PER_SM
 #define KDTREE_SPLITS_PER_SM 1
 #endif
