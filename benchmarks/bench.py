@@ -55,6 +55,8 @@ def shapes(quick: bool, small_rows: bool = False):
     if small_rows:   # requests of <= 16 rows (the skinny kernel's calls on sm_90a) beyond the table's H16 N1 P131072
         for h, n, p in [(16, 1, 8192), (16, 1, 32768), (16, 1, 185000), (8, 2, 131072), (1, 9, 131072)]:
             rows.append(dict(name=f"H{h} N{n} tree P{p}", prefixes=[p], heads=h, n=n))
+        # a batch of such requests (SGLang's verify of several requests, each with few drafts)
+        rows.append(dict(name="B8 ragged 4k..64k H8 N2", prefixes=rag, heads=8, n=2))
         # whether the gather's slot order binds a memory-bound call
         rows.append(dict(name="H16 N1 tree P131072 contiguous", prefixes=[131072], heads=16, n=1, shuffle=False))
     return rows

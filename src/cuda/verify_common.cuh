@@ -92,6 +92,7 @@ struct Params {
   int split_target;   // work items a long request is cut into (about 2 per SM)
   int block_m;        // rows per work item of the split kernel that runs (48 mma.sync, 64 wgmma, 16 skinny)
   int tile_n;         // keys per pipeline tile of that kernel (32; 64 skinny): splits are whole tiles
+  int min_chunk;      // that kernel's shortest split, in keys (kMinChunk; sk::kMinChunk skinny)
   long long max_partial_rows;
   // workspace views
   int* counter;       // [3]: dynamic work counter, total items, the combine's slice count (max over rows)

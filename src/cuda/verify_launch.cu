@@ -83,6 +83,7 @@ struct SplitLaunch {
   // calls, whose combine blocks fit beside it, so that it lets them start before its wait for the plan (~2 us faster
   // at H16 N1 P131072, H200)
   int done_arrivals = 1;
+  int min_chunk = kdtree::kMinChunk;   // Params::min_chunk: the split rule's shortest split, in keys
 };
 // Kernel selection lives here and in device_info / call_kernel below: one entry per kdtree_split_kernel_id.
 // KDTREE_KERNEL_MMA_SCALED is the mma.sync kernel with the drafts apart at `stages` key stages (the device's).
@@ -103,10 +104,10 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
               kdtree::dual::kSmemBytesFp8, kdtree::wg::kBlockM, kdtree::wg::kTileN};
     case KDTREE_KERNEL_SKINNY:
       return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
-              kdtree::sk::kRows, kdtree::sk::kTileN, 0};
+              kdtree::sk::kRows, kdtree::sk::kTileN, 0, kdtree::sk::kMinChunk};
     case KDTREE_KERNEL_SKINNY_FP8:
       return {kdtree::sk8::kdtree_verify_split_skinny_fp8_kernel, kdtree::sk::kThreads, kdtree::sk8::kSmemBytes,
-              kdtree::sk::kRows, kdtree::sk::kTileN, 0};
+              kdtree::sk::kRows, kdtree::sk::kTileN, 0, kdtree::sk::kMinChunk};
     case KDTREE_KERNEL_MMA_2STAGE:
       return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
               kdtree::MmaWide::kBlockM, kTileN};
@@ -533,6 +534,7 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const SplitLaunch split = split_launch(call, dev.mma_stages);
   prm.block_m = split.block_m;
   prm.tile_n = split.tile_n;
+  prm.min_chunk = split.min_chunk;
   prm.max_partial_rows = lay.max_partial_rows;
   unsigned char* ws = static_cast<unsigned char*>(p->workspace);
   prm.counter = reinterpret_cast<int*>(ws + lay.header);

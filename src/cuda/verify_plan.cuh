@@ -35,7 +35,7 @@ __device__ __forceinline__ ReqPlan request_plan(const Params& prm, int b, int& i
   const int r = rp.n * prm.heads;
   rp.mtiles = (r + prm.block_m - 1) / prm.block_m;
   const int len = prm.drafts_apart ? rp.p : rp.p + rp.n;
-  const SplitShape sh = len > 0 ? split_shape(len, rp.mtiles, prm.split_target, prm.tile_n, kMinChunk)
+  const SplitShape sh = len > 0 ? split_shape(len, rp.mtiles, prm.split_target, prm.tile_n, prm.min_chunk)
                                 : SplitShape{0, prm.tile_n};
   rp.chunked = sh.nsplit;
   rp.nsplit = sh.nsplit + (prm.drafts_apart ? 1 : 0);

@@ -38,6 +38,12 @@ constexpr int kRows = 16;                          // rows per item: the wgmma N
 // products still m64 over a zeroed pad, measured 3-9% slower on the H200; a second producer warpgroup 5% slower at
 // H16 N1 P131072.)
 constexpr int kTileN = 64;
+// The skinny kernels' shortest split, in keys (the others': kdtree::kMinChunk).
+#ifndef KDTREE_SKINNY_MIN_CHUNK
+#define KDTREE_SKINNY_MIN_CHUNK 256
+#endif
+constexpr int kMinChunk = KDTREE_SKINNY_MIN_CHUNK;
+static_assert(kMinChunk % kTileN == 0 && kMinChunk > 0, "splits are whole tiles");
 constexpr int kStages = 2;
 constexpr int kMmaM = 64;                          // the wgmma M of both products
 constexpr int kConsumerThreads = 128;
