@@ -45,7 +45,7 @@ def _cases():
             cases.add((length, mtiles, 132, 32, 256))
     for _ in range(3000):
         cases.add((rng.randint(1, 300_000), rng.randint(1, 140), rng.choice([132, 188, 84, 70]),
-                   rng.choice([32, 64]), 256))
+                   rng.choice([32, 64]), rng.choice([64, 256])))
     return sorted(cases)
 
 

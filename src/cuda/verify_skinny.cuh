@@ -38,9 +38,14 @@ constexpr int kRows = 16;                          // rows per item: the wgmma N
 // products still m64 over a zeroed pad, measured 3-9% slower on the H200; a second producer warpgroup 5% slower at
 // H16 N1 P131072.)
 constexpr int kTileN = 64;
-// The skinny kernels' shortest split, in keys (the others': kdtree::kMinChunk).
+// The skinny kernels' shortest split, in keys (the others': kdtree::kMinChunk, 256). One tile: a short request
+// then spreads over more SMs, and its items' fixed costs (plan wait, q, the partials' stores) overlap. Against 256 on
+// the FP8 form (H100, e4m3 pool, two rounds of each build, alternating, one run): H16 N1 P8192 19.0 against 22.6 us
+// (-16%; 128 keys: 20.1), P32768 and H8 N2 P131072 within 0.7% (the same plan); a batch of eight few-row requests
+// (B8 ragged 4k..64k H8 N2), whose short requests now add items to a full GPU, 113.8 against 111.7 (+1.9%; 128 keys:
+// +2.7%). On a bf16 pool: 20.9 against 22.3 at P8192, 136.6 against 135.1 on the batch.
 #ifndef KDTREE_SKINNY_MIN_CHUNK
-#define KDTREE_SKINNY_MIN_CHUNK 256
+#define KDTREE_SKINNY_MIN_CHUNK 64
 #endif
 constexpr int kMinChunk = KDTREE_SKINNY_MIN_CHUNK;
 static_assert(kMinChunk % kTileN == 0 && kMinChunk > 0, "splits are whole tiles");
