@@ -45,6 +45,10 @@ def shapes(quick: bool, small_rows: bool = False):
     for n, none in [(1, False), (16, True), (33, False), (65, False)]:
         rows.append(dict(name=f"H16 N{n} {'chain(None)' if none else 'tree'} P131072", prefixes=[131072],
                          heads=16, n=n, causal_none=none, pad=4 if n == 33 else 0))
+    # multi-token-prediction chains as the README's deployments draft them (EAGLE top-k 1, 4 draft tokens): GLM-5.x at
+    # TP8 has 8 heads a rank (32 rows), DeepSeek-V3 16 (64 rows)
+    for h in (8, 16):
+        rows.append(dict(name=f"H{h} N4 chain(None) P131072", prefixes=[131072], heads=h, n=4, causal_none=True))
     for h, p in [(8, 131072), (32, 131072), (128, 32768)]:
         rows.append(dict(name=f"H{h} N9 tree P{p}", prefixes=[p], heads=h, n=9))
     rag = [4096, 65536, 12288, 40960, 8192, 57344, 20480, 32768]
