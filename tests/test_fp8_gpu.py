@@ -32,26 +32,32 @@ def _run(args, **kw):
     return out
 
 
-FP8_KERNELS = ("mma.sync-fp8", "mma.sync-scaled", "wgmma-dual-fp8", "wgmma-skinny-fp8")
+FP8_KERNELS = ("mma.sync-fp8", "mma.sync-scaled", "wgmma-dual-fp8", "wgmma-skinny-fp8", "wgmma-skinny-fp8-32row")
 
 
 def test_calls_run_the_fp8_and_scaled_kernels():
     ext = _ext.load()
     # e4m3: the dual kernel's FP8 form where the device runs the dual kernel (sm_90a), the skinny kernel's where it
-    # runs that, else the sm_120 code path; calls of <= 16 rows per request take the skinny FP8 kernel beside the dual
+    # runs that, else the sm_120 code path; calls of <= 16 rows per request take the skinny FP8 kernel beside the dual,
+    # of 17 to 32 its 32-row form
     device = ext.split_kernel()
     fp8 = {"wgmma-dual": "wgmma-dual-fp8", "wgmma-skinny": "wgmma-skinny-fp8"}.get(device, "mma.sync-fp8")
-    small = "wgmma-skinny-fp8" if device == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0" else fp8
+    skinny = device == "wgmma-dual" and os.environ.get("KDTREE_SKINNY") != "0"
+    small = "wgmma-skinny-fp8" if skinny else fp8
+    pair = "wgmma-skinny-fp8-32row" if skinny else fp8
     for (b, t, h), want in [((1, 9, 16), fp8), ((4, 36, 16), fp8), ((2, 3, 128), fp8), ((3, 5, 4), fp8),
-                            ((1, 1, 16), small), ((1, 2, 8), small), ((3, 6, 8), small), ((5, 45, 1), small)]:
+                            ((1, 3, 11), fp8), ((1, 1, 16), small), ((1, 2, 8), small), ((3, 6, 8), small),
+                            ((5, 45, 1), small), ((1, 4, 8), pair), ((1, 2, 16), pair), ((2, 6, 6), pair),
+                            ((4, 16, 8), pair)]:
         assert ext.split_kernel(b, t, h, ext.KV_E4M3) == want, (b, t, h)
         assert ext.split_kernel(b, t, h, ext.KV_E4M3, True) == want, (b, t, h)
         assert ext.split_kernel(b, t, h, ext.KV_BF16, True) == "mma.sync-scaled"
         assert ext.split_kernel(b, t, h, ext.KV_BF16) not in FP8_KERNELS
 
 
-# (H, N): 144 rows a request (the dual kernel's FP8 form on sm_90a), 16 and 8 (its skinny FP8 kernel)
-SHAPES = [(16, 9), (16, 1), (4, 2)]
+# (H, N): 144 rows a request (the dual kernel's FP8 form on sm_90a), 16 and 8 (its skinny FP8 kernel), 32 and 20 (the
+# 32-row form: both consumer warpgroups full, the second with 4 rows)
+SHAPES = [(16, 9), (16, 1), (4, 2), (8, 4), (5, 4)]
 
 
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])

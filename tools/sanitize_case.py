@@ -2,7 +2,8 @@
 `many` (24 requests, more work items than SMs: blocks run several items, some split, back to back); `reuse`:
 the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q); `n1`: the
 split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape);
-`pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks);
+`n4`, `n4many`: the split and many cases at H8 N4 (32-row requests: on an e4m3 pool on sm_90a the skinny FP8 kernel's
+32-row form, two consumer warpgroups a block); `pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks);
 `balanced`: H128 N9, two requests of 18 row tiles whose split rule adds a short split on 132 SMs (8 splits, 9,216
 partial rows each: more than 132 x 64, so the workspace must allow each request its own rows beyond the grid's).
 KDTREE_TEST_KV=e4m3 runs the case on an e4m3 pool (the FP8 kernel, the prep kernel's q blocks) with KV scales.
@@ -22,10 +23,10 @@ from kdtree.synthetic import make_verify_batch
 
 case = sys.argv[1] if len(sys.argv) > 1 else "small"
 many = [300 + 53 * i for i in range(24)]
-prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, "n1": [3000, 70],
-            "pack": [3000, 70], "balanced": [6000, 6100]}[case]
-n = 1 if case == "n1" else 9
-heads = 128 if case == "balanced" else 16
+prefixes = {"small": [40, 0], "split": [3000, 70], "many": many, "reuse": many, "n1": [3000, 70], "n4": [3000, 70],
+            "n4many": many, "pack": [3000, 70], "balanced": [6000, 6100]}[case]
+n = {"n1": 1, "n4": 4, "n4many": 4}.get(case, 9)
+heads = {"balanced": 128, "n4": 8, "n4many": 8}.get(case, 16)
 fp8 = os.environ.get("KDTREE_TEST_KV") == "e4m3"
 b = make_verify_batch(prefixes, heads, n, kind="tree", pad=min(2, n - 1), device="cuda", seed=1,
                       kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)

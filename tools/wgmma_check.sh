@@ -23,7 +23,8 @@ spills() {   # $1: the kernel's short name, $2: its mangled name
 note=$(spills dual _ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0EEEvNS_6ParamsE)$(spills dual-fp8 \
   _ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb1EEEvNS_6ParamsE)$(spills skinny \
   _ZN6kdtree2sk33kdtree_verify_split_skinny_kernelENS_6ParamsE)$(spills skinny-fp8 \
-  _ZN6kdtree3sk837kdtree_verify_split_skinny_fp8_kernelENS_6ParamsE)
+  _ZN6kdtree3sk837kdtree_verify_split_skinny_fp8_kernelILi1EEEvNS_6ParamsE)$(spills skinny-fp8-32row \
+  _ZN6kdtree3sk837kdtree_verify_split_skinny_fp8_kernelILi2EEEvNS_6ParamsE)
 if [ "$n" -gt 0 ]; then
   echo "wgmma SERIALISED ($* ): $n line(s), e.g. $(grep -m1 "(C75[0-9][0-9])" "$out/log" | cut -c1-220)$note"
   rm -rf "$out"; exit 1

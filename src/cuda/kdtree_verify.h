@@ -164,9 +164,11 @@ typedef enum kdtree_split_kernel_id {
   KDTREE_KERNEL_DUAL_FP8 = 8,   /* kernel 4 over an e4m3 pool, its products in e4m3 wgmma (V^T from registers), four
                                    warpgroups, drafts in bf16 items of their own: KDTREE_KV_E4M3 calls where 4 is the
                                    device's kernel */
-  KDTREE_KERNEL_SKINNY_FP8 = 9  /* kernel 5 over an e4m3 pool, its products in e4m3 wgmma with the keys as the A
+  KDTREE_KERNEL_SKINNY_FP8 = 9, /* kernel 5 over an e4m3 pool, its products in e4m3 wgmma with the keys as the A
                                    operand from registers, drafts in bf16 items of their own: KDTREE_KV_E4M3 calls
                                    of <= 16 rows per request beside 8 */
+  KDTREE_KERNEL_SKINNY_FP8_32ROW = 10 /* kernel 9 with 32-row items, two consumer warpgroups of 16 rows on every key
+                                         tile: KDTREE_KV_E4M3 calls of 17 to 32 rows per request beside 8 */
 } kdtree_split_kernel_id;
 
 /* The split kernel kdtree_verify_launch runs on the current device for calls of many rows per request, into
@@ -181,7 +183,8 @@ int kdtree_verify_split_kernel(int* kernel);
 /* The split kernel a call of this batch size, token count, head count, pool type (kv_dtype) and scaling
  * (kv_scaled: k_scale or v_scale other than 1) runs on the current device: for an e4m3 pool KDTREE_KERNEL_DUAL_FP8 where
  * the device's kernel is KDTREE_KERNEL_DUAL (sm_90a) and KDTREE_KERNEL_SKINNY_FP8 where it would run
- * KDTREE_KERNEL_SKINNY (the same rule below; every e4m3 call under KDTREE_SPLIT_KERNEL=skinny), else
+ * KDTREE_KERNEL_SKINNY (the same rule below; every e4m3 call under KDTREE_SPLIT_KERNEL=skinny) and
+ * KDTREE_KERNEL_SKINNY_FP8_32ROW where the same rule with 32 rows holds (KDTREE_SKINNY=0: neither), else
  * KDTREE_KERNEL_MMA_FP8 (its sm_120 code path; on an H100/H200 under KDTREE_SPLIT_KERNEL=mma or KDTREE_SPLIT_STAGES=2),
  * KDTREE_KERNEL_MMA_SCALED for a scaled bf16 pool, else the device's (above), except that where it is
  * KDTREE_KERNEL_DUAL a call of num_heads * num_tokens / batch_size <= 16 rows per request runs KDTREE_KERNEL_SKINNY

@@ -106,8 +106,11 @@ SplitLaunch split_launch(int kernel, int stages = 2) {
       return {kdtree::sk::kdtree_verify_split_skinny_kernel, kdtree::sk::kThreads, kdtree::sk::kSmemBytes,
               kdtree::sk::kRows, kdtree::sk::kTileN, 0, kdtree::sk::kMinChunk};
     case KDTREE_KERNEL_SKINNY_FP8:
-      return {kdtree::sk8::kdtree_verify_split_skinny_fp8_kernel, kdtree::sk::kThreads, kdtree::sk8::kSmemBytes,
-              kdtree::sk::kRows, kdtree::sk::kTileN, 0, kdtree::sk::kMinChunk};
+      return {kdtree::sk8::kdtree_verify_split_skinny_fp8_kernel<1>, kdtree::sk8::kThreads<1>,
+              kdtree::sk8::kSmemBytes<1>, kdtree::sk::kRows, kdtree::sk::kTileN, 0, kdtree::sk::kMinChunk};
+    case KDTREE_KERNEL_SKINNY_FP8_32ROW:
+      return {kdtree::sk8::kdtree_verify_split_skinny_fp8_kernel<2>, kdtree::sk8::kThreads<2>,
+              kdtree::sk8::kSmemBytes<2>, 2 * kdtree::sk::kRows, kdtree::sk::kTileN, 0, kdtree::sk::kMinChunk};
     case KDTREE_KERNEL_MMA_2STAGE:
       return {kdtree::kdtree_verify_split_kernel<2>, kdtree::MmaWide::kThreads, sizeof(kdtree::SharedStorage<2>),
               kdtree::MmaWide::kBlockM, kTileN};
@@ -144,6 +147,8 @@ struct DeviceInfo {
   int fp8_status;       // KDTREE_OK where that kernel fits a block on an SM here, else why not
   int scaled_status;    // the same for the scaled bf16 kernel
   int fp8_small_kernel; // the kernel of e4m3 calls whose requests cannot exceed small_rows rows (SKINNY_FP8), or 0
+  int fp8_pair_kernel;  // the kernel of e4m3 calls whose requests cannot exceed 2 x small_rows rows (SKINNY_FP8_32ROW,
+                        // beside SKINNY_FP8), or 0
 };
 
 bool env_is(const char* name, const char* value) {
@@ -225,15 +230,19 @@ DeviceInfo device_info(int dev, int* status) {
       fp8_status = status_of(split_launch(fp8_kernel));
     }
     const int scaled_status = status_of(split_launch(KDTREE_KERNEL_MMA_SCALED, mma_stages));
-    // the skinny kernel's FP8 form beside it, for e4m3 calls of few rows
+    // the skinny kernel's FP8 forms beside it, for e4m3 calls of few rows: 16-row items, and 32-row ones
     const int fp8_small_kernel =
         small_kernel == KDTREE_KERNEL_SKINNY && status_of(split_launch(KDTREE_KERNEL_SKINNY_FP8)) == KDTREE_OK
             ? KDTREE_KERNEL_SKINNY_FP8
             : 0;
+    const int fp8_pair_kernel =
+        fp8_small_kernel && status_of(split_launch(KDTREE_KERNEL_SKINNY_FP8_32ROW)) == KDTREE_OK
+            ? KDTREE_KERNEL_SKINNY_FP8_32ROW
+            : 0;
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows,
                            !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0"), mma_stages,
-                           fp8_kernel, fp8_status, scaled_status, fp8_small_kernel};
+                           fp8_kernel, fp8_status, scaled_status, fp8_small_kernel, fp8_pair_kernel};
     configured[dev] = true;
   }
   *status = KDTREE_OK;
@@ -248,15 +257,17 @@ DeviceInfo device_info(int dev, int* status) {
 // of B, a request may run on the other kernel than alone (results equal to bf16 rounding, not bit for bit). (A bound
 // of H x (T - B + 1) instead would move with the batch size: H8 N2 alone would run one kernel and in a batch of three
 // N2 requests the other.)
-// Calls over an e4m3 pool run the device's FP8 kernel or, by the same rule, its small-call FP8 kernel; scaled bf16
-// calls the scaled one, whatever their rows.
+// Calls over an e4m3 pool run the device's FP8 kernel or, by the same rule, its small-call FP8 kernels (up to
+// small_rows rows, then up to twice that: H8 N4 P131072 on an H200, 32-row items against the dual kernel's FP8 form,
+// docs/performance.md); scaled bf16 calls the scaled one, whatever their rows.
 int call_kernel(const DeviceInfo& dev, int batch, int num_tokens, int heads, int kv_dtype, bool kv_scaled) {
   const bool fp8 = kv_dtype == KDTREE_KV_E4M3;
   if (!fp8 && kv_scaled) return KDTREE_KERNEL_MMA_SCALED;
   const int kernel = fp8 ? dev.fp8_kernel : dev.kernel, small = fp8 ? dev.fp8_small_kernel : dev.small_kernel;
   if (!small || num_tokens % batch != 0) return kernel;
   const long long rows = (long long)heads * (num_tokens / batch);
-  return rows <= dev.small_rows ? small : kernel;
+  if (rows <= dev.small_rows) return small;
+  return fp8 && dev.fp8_pair_kernel && rows <= 2LL * dev.small_rows ? dev.fp8_pair_kernel : kernel;
 }
 
 // The environment switches this library reads and the values each takes besides unset or empty (the default). Any

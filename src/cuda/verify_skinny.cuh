@@ -90,12 +90,13 @@ using km::col_q;
 // units (scale: a factor per column), masked (a tile of prefix keys inside the split needs no mask; `live` false: the
 // warp's keys are not in the tile, all masked), the column maxima met over the 4 warps in `red`, P = 2^(s - m) handed
 // to sink(pv) (which stores P^T for the next product and may round pv to the values it stored), the column sums
-// advanced by pv; alpha rescales what O^T holds. Ends with P^T fenced for the async proxy behind a consumer barrier.
+// advanced by pv; alpha rescales what O^T holds. Ends with P^T fenced for the async proxy behind a consumer barrier
+// (`bar`: the named barrier of the calling consumer warpgroup's 128 threads).
 template <class Sink>
 __device__ __forceinline__ void column_softmax(const Params& prm, const ItemCtx& cx, int key_base, const int (&rn)[4],
                                                const float (&scale)[4], bool live, float (&s)[8], float (&m_run)[4],
                                                float (&l_part)[4], float (&alpha)[4], float (&red)[4][kRows],
-                                               int warp, int g, int c, Sink sink) {
+                                               int warp, int g, int c, Sink sink, int bar = kBarConsumer) {
   const bool plain = key_base + kTileN <= cx.k1 && key_base + kTileN <= cx.rp.p;
   const int key0 = key_base + warp * 16 + g;
   float cm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
@@ -110,8 +111,8 @@ __device__ __forceinline__ void column_softmax(const Params& prm, const ItemCtx&
 #pragma unroll
     for (int q = 0; q < 4; ++q) red[warp][col_of(c, q)] = cm[q];
   }
-  bar_sync(kBarConsumer, kConsumerThreads);   // (the reads below end before this tile's P barrier, which every
-                                              // thread passes before it writes red again)
+  bar_sync(bar, kConsumerThreads);   // (the reads below end before this tile's P barrier, which every thread passes
+                                     // before it writes red again)
   float m_use[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -134,7 +135,7 @@ __device__ __forceinline__ void column_softmax(const Params& prm, const ItemCtx&
 #pragma unroll
   for (int q = 0; q < 4; ++q) l_part[q] = l_part[q] * alpha[q] + ps[q];
   fence_proxy_async();   // P^T is read next by wgmma (the async proxy)
-  bar_sync(kBarConsumer, kConsumerThreads);
+  bar_sync(bar, kConsumerThreads);
 }
 
 // A column_softmax sink: P^T as bf16 into `p` ([row][64 keys], 128-byte swizzle: the B operand of O^T, K-major).
@@ -163,12 +164,14 @@ __device__ __forceinline__ void rescale_o_t(float (&o)[kVBlocks][8], const float
 // as the item's bf16 rows (dim_of(mb, warp, g, h): the value dim of the thread's accumulator row 16 warp + g + 8 h of
 // value block mb), then stored 16 B a thread; the row statistics for the partial log-sum-exps of a split request.
 // The rows are staged in the item's q buffer, free after its last product; the caller's next q copies wait for a
-// consumer barrier (lred and the row statistics are written again only after the next item's barriers).
+// consumer barrier (lred and the row statistics are written again only after the next item's barriers). `tid`: the
+// thread's index in its consumer warpgroup, `bar` that warpgroup's named barrier.
 template <size_t QBytes, class DimOf>
 __device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx, int H, const float (&o)[kVBlocks][8],
                                            const float (&m_run)[4], float (&l_part)[4], float out_scale,
                                            float (&lred)[4][kRows], float* row_m, float* row_l,
-                                           unsigned char (&q_bytes)[QBytes], int tid, DimOf dim_of) {
+                                           unsigned char (&q_bytes)[QBytes], int tid, DimOf dim_of,
+                                           int bar = kBarConsumer) {
   static_assert(QBytes >= kRows * kDimNope * sizeof(__nv_bfloat16), "q's bytes hold the item's result rows");
   __nv_bfloat16* stage = reinterpret_cast<__nv_bfloat16*>(q_bytes);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -177,7 +180,7 @@ __device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx,
 #pragma unroll
     for (int q = 0; q < 4; ++q) lred[warp][col_of(c, q)] = l_part[q];
   }
-  bar_sync(kBarConsumer, kConsumerThreads);
+  bar_sync(bar, kConsumerThreads);
   float inv[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -195,7 +198,7 @@ __device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx,
     for (int i = 0; i < 8; ++i)
       stage[col_of(c, col_q(i)) * kDimNope + dim_of(mb, warp, g, km::row_half(i))] =
           __float2bfloat16(o[mb][i] * inv[col_q(i)]);
-  bar_sync(kBarConsumer, kConsumerThreads);
+  bar_sync(bar, kConsumerThreads);
   for (int idx = tid; idx < cx.rows * (kDimNope / 8); idx += kConsumerThreads) {
     const int r = idx / (kDimNope / 8), ch = idx - r * (kDimNope / 8);
     *reinterpret_cast<uint4*>(result_row(prm, cx, r) + ch * 8) = *reinterpret_cast<const uint4*>(&stage[r * kDimNope + ch * 8]);
@@ -204,17 +207,19 @@ __device__ __forceinline__ void store_item(const Params& prm, const ItemCtx& cx,
 }
 
 // The mbarriers of a kernel of this shape (the skinny kernels), by one thread before a block barrier: each key stage's
-// full (full_arrivals: the producer's) and empty (the consumer's arrivals), the item hand-off's full and empty.
+// full (full_arrivals: the producer's) and empty (the consumers' arrivals), the item hand-off's full and empty (every
+// thread of the block).
 template <class SmemT>
-__device__ __forceinline__ void init_barriers(SmemT& sm, int full_arrivals) {
+__device__ __forceinline__ void init_barriers(SmemT& sm, int full_arrivals, int consumer_threads = kConsumerThreads,
+                                              int block_threads = kThreads) {
   constexpr int kRing = sizeof(sm.full) / sizeof(sm.full[0]);
   for (int b = 0; b < kRing; ++b) {
     mbar_init(&sm.full[b], full_arrivals);
-    mbar_init(&sm.empty[b], kConsumerThreads);
+    mbar_init(&sm.empty[b], consumer_threads);
   }
   for (int i = 0; i < 2; ++i) {
     mbar_init(&sm.item_full[i], 1);
-    mbar_init(&sm.item_empty[i], kThreads);
+    mbar_init(&sm.item_empty[i], block_threads);
   }
   fence_proxy_async();
 }

@@ -22,6 +22,12 @@
 // m64n16k16): 32 keys a tile (1,168-byte pitch; warps 2 and 3 hold no keys and feed zeros), A fragments straight from
 // ldmatrix, q from q_nope / q_pe, P^T in bf16. Plan, partials and combine are the skinny kernel's (16-row items, 64-key
 // tiles).
+//
+// Two consumer warpgroups (Consumers = 2): calls of 17 to 32 rows per request (H8 N4, the multi-token-prediction verify
+// of GLM-5.x at TP8; H16 N2) run 32-row items, each consumer warpgroup the work above on its own 16 rows of every
+// tile the producer lands, so that a key crosses into the SM once for 32 rows. The dual kernel's FP8 form pays a 64-row
+// item's chain for them and a 16-row kernel two items a key. The launch's 168 registers a thread (384 threads) move
+// by setmaxnreg to 232 for the consumers and 40 for the producer.
 #pragma once
 
 #include "verify_skinny.cuh"
@@ -34,7 +40,6 @@ using sk::kConsumerThreads;
 using sk::kProducerThreads;
 using sk::kQSlabBytes;
 using sk::kRows;
-using sk::kThreads;
 using sk::kTileN;
 using sk::kVBlocks;
 using wg::SmemDesc;
@@ -47,26 +52,40 @@ static_assert(kDraftKeys * kPitch16 <= kStageBytes, "a draft tile fits a stage")
 static_assert((kPitch16 / 16) % 2 == 1, "ldmatrix rows in distinct bank groups");
 static_assert(kDraftKeys % 16 == 0 && kDraftKeys <= kTileN, "draft tiles: whole warps of keys");
 
+// The block of a kernel with `Consumers` consumer warpgroups (each 16 rows of the item) and the producer warpgroup.
+template <int Consumers>
+constexpr int kThreads = (Consumers + 1) * 128;
+template <int Consumers>
+constexpr int kLaunchRegs = (65536 / kThreads<Consumers>) / 8 * 8;   // 168 with two consumers: one block per SM
+constexpr int kConsumerRegs = 232;                                     // with two consumers (setmaxnreg)
+constexpr int kProducerRegs = 40;
+static_assert(2 * kConsumerThreads * kConsumerRegs + kProducerThreads * kProducerRegs <= 65536 &&
+                  2 * (kConsumerRegs - kLaunchRegs<2>) <= kLaunchRegs<2> - kProducerRegs,
+              "setmaxnreg within the block's registers: what the producer gives back covers what the consumers take");
+
+template <int Consumers>
 struct Smem {
   unsigned char kv[kStages][kStageBytes];         // 151,552: the staged key rows
-  // 18,432: q of the item, bf16 or its e4m3 terms, [slab][row][128 B]; after the item's last product, its result
-  // rows, staged as bf16 for 16-byte stores. (A buffer of their own, 16 KB more, measured slower on an H100, e4m3
-  // pool, two rounds each, alternating: H16 N1 P131072 56.9 against 56.0 us, P8192 24.0 against 22.5, P32768 31.1
-  // against 30.0, P185000 69.0 against 68.4; which resource the 16 KB cost was not isolated.)
-  unsigned char q[wg::kSlabs * kQSlabBytes];
-  unsigned char p[2][kRows * 128];                // P^T of the latest tile: bf16, or e4m3 hi and lo (128-byte swizzle)
-  float red[4][kRows];
-  float lred[4][kRows];
-  float row_m[kRows], row_l[kRows];
+  // 18,432 a consumer: q of its rows, bf16 or its e4m3 terms, [slab][row][128 B]; after the item's last product, its
+  // result rows, staged as bf16 for 16-byte stores. (A buffer of their own, 16 KB more, measured slower on an H100,
+  // e4m3 pool, two rounds each, alternating: H16 N1 P131072 56.9 against 56.0 us, P8192 24.0 against 22.5, P32768
+  // 31.1 against 30.0, P185000 69.0 against 68.4; which resource the 16 KB cost was not isolated.)
+  unsigned char q[Consumers][wg::kSlabs * kQSlabBytes];
+  unsigned char p[Consumers][2][kRows * 128];     // P^T of the latest tile: bf16, or e4m3 hi and lo (128-byte swizzle)
+  float red[Consumers][4][kRows];
+  float lred[Consumers][4][kRows];
+  float row_m[Consumers][kRows], row_l[Consumers][kRows];
   unsigned long long full[kStages];               // tile landed: 1 arrival (expect_tx) + the copies' bytes
-  unsigned long long empty[kStages];              // tile consumed: 128 consumer arrivals
+  unsigned long long empty[kStages];              // tile consumed: 128 arrivals a consumer warpgroup
   unsigned long long item_full[2];
   unsigned long long item_empty[2];
   int item[2];
 };
-constexpr size_t kSmemBytes = sizeof(Smem) + 1024;   // + room to align the base to 1 KB
-static_assert(kSmemBytes <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
-static_assert((kStages * kStageBytes) % 1024 == 0 && (wg::kSlabs * kQSlabBytes) % 1024 == 0, "q and P^T on 1 KB atoms");
+template <int Consumers>
+constexpr size_t kSmemBytes = sizeof(Smem<Consumers>) + 1024;   // + room to align the base to 1 KB
+static_assert(kSmemBytes<2> <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
+static_assert((kStages * kStageBytes) % 1024 == 0 && (wg::kSlabs * kQSlabBytes) % 1024 == 0 && (kRows * 128) % 1024 == 0,
+              "q and P^T on 1 KB atoms");
 static_assert(kQ8RowBytes == kKeyBytes, "a row of q's e4m3 terms takes the bytes of a bf16 row");
 
 // D[64 x 16] += A[64 x 32] (registers) * B[32 x 16] (shared memory, K-major), e4m3, fp32 accumulate.
@@ -257,14 +276,15 @@ __device__ __forceinline__ int tile_count(const ItemCtx& cx) {
 
 // The producer warpgroup: thread pt lands key pt of every tile of the block's items (one bulk copy; the zero row past
 // the split end), after the stage's release on sm.empty; thread 0 arms sm.full with the tile's bytes. Runs on into the
-// next item (fetch_item) while the consumer ends the current one.
-template <class Fetch>
-__device__ __forceinline__ void key_producer(Smem& sm, const Params& prm, int pt, int total, Fetch fetch_item) {
+// next item (fetch_item) while the consumers end the current one.
+template <int Consumers, class Fetch>
+__device__ __forceinline__ void key_producer(Smem<Consumers>& sm, const Params& prm, int pt, int total,
+                                             Fetch fetch_item) {
   uint32_t seq = 0;   // tiles issued by this block: stage seq % kStages, phase seq / kStages
   for (int k = 0;; ++k) {
     const int item = fetch_item(k);
-    if (item >= total) return;   // (bulk copies complete on the stages' mbarriers, which the consumer waits on)
-    const ItemCtx cx = item_ctx<kRows, kTileN, true>(prm, item);
+    if (item >= total) return;   // (bulk copies complete on the stages' mbarriers, which the consumers wait on)
+    const ItemCtx cx = item_ctx<Consumers * kRows, kTileN, true>(prm, item);
     const bool prefix = !drafts_split(cx);
     const int keys = tile_keys(cx), nt = tile_count(cx);
     long long slot = prefix && pt < kTileN ? wg::tile_key_slot<kTileN>(prm, cx, 0, pt) : 0;
@@ -274,7 +294,7 @@ __device__ __forceinline__ void key_producer(Smem& sm, const Params& prm, int pt
       if (pt < keys) {
         mbar_wait(&sm.empty[b], ((seq / kStages) & 1) ^ 1u);   // the stage's previous tile consumed (none at first)
         if (pt == 0) mbar_arrive_expect_tx(&sm.full[b], prefix ? kTileN * kDimQK : kDraftKeys * kKeyBytes);
-        fence_proxy_async();   // the consumer's reads of the stage ordered before the async writes
+        fence_proxy_async();   // the consumers' reads of the stage ordered before the async writes
         const int key = cx.k0 + t * keys + pt;
         if (prefix)
           bulk_copy_g2s(&sm.kv[b][pt * kKeyPitch8], key_ptr8(prm, cx, key, slot), kDimQK, &sm.full[b]);
@@ -286,10 +306,22 @@ __device__ __forceinline__ void key_producer(Smem& sm, const Params& prm, int pt
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_kernel(Params prm) {
+// The row tile of consumer warpgroup `me` in item cx: its 16 rows of the item's Consumers x 16 (none past the
+// request's rows).
+__device__ __forceinline__ ItemCtx consumer_rows(const ItemCtx& cx, int me) {
+  ItemCtx mine = cx;
+  mine.row0 = cx.row0 + me * kRows;
+  mine.rows = max(0, min(kRows, cx.rows - me * kRows));
+  return mine;
+}
+
+template <int Consumers>
+__global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_skinny_fp8_kernel(Params prm) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(Consumers == 1 || Consumers == 2, "16- or 32-row items");
+  constexpr int kClaimer = Consumers * kConsumerThreads;   // the producer's first thread claims the items
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Smem& sm = wg::smem_1k<Smem>(smem_raw);
+  Smem<Consumers>& sm = wg::smem_1k<Smem<Consumers>>(smem_raw);
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
@@ -298,35 +330,43 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
   const int total = prm.counter[1];
   const int H = prm.heads;
 
-  if (tid == 0) sk::init_barriers(sm, 1);   // (full: the producer's expect_tx arrival and the copies' bytes)
+  // (full: the producer's expect_tx arrival and the copies' bytes)
+  if (tid == 0) sk::init_barriers(sm, 1, kClaimer, kThreads<Consumers>);
   __syncthreads();
 
   auto fetch_item = [&](int k) {
-    return wg::fetch_item_ahead(prm, k, tid, kConsumerThreads, sm.item, sm.item_full, sm.item_empty);
+    return wg::fetch_item_ahead(prm, k, tid, kClaimer, sm.item, sm.item_full, sm.item_empty);
   };
 
-  if (tid < kConsumerThreads) {
-    // =========================== consumer warpgroup ===========================
-    const int warp = tid >> 5;
+  if (tid < kClaimer) {
+    // =========================== consumer warpgroups ===========================
+    if constexpr (Consumers > 1) wg::set_max_regs<kConsumerRegs, kLaunchRegs<Consumers>>();
+    // this warpgroup's 16 rows of each item, and the thread's index in it (constants where there is one consumer,
+    // whose code is then the same as before the second: its barrier ids included)
+    const int me = Consumers == 1 ? 0 : tid / kConsumerThreads;
+    const int t128 = Consumers == 1 ? tid : tid % kConsumerThreads;
+    const int bar = sk::kBarConsumer + me;
+    const int warp = t128 >> 5;
     const int lane = tid & 31;
     const int g = lane >> 2;
     const int c = lane & 3;
-    const SmemDesc qd(smem_u32(&sm.q[0]), 16, 1024);
-    const SmemDesc pd(smem_u32(&sm.p[0][0]), 16, 1024), pd_lo(smem_u32(&sm.p[1][0]), 16, 1024);
+    const SmemDesc qd(smem_u32(&sm.q[me][0]), 16, 1024);
+    const SmemDesc pd(smem_u32(&sm.p[me][0][0]), 16, 1024), pd_lo(smem_u32(&sm.p[me][1][0]), 16, 1024);
     uint32_t seq = 0;   // tiles consumed by this block: stage seq % kStages, phase seq / kStages
     for (int k = 0;; ++k) {
       const int item = fetch_item(k);
       if (item >= total) {
-        KDTREE_TIMELINE(2, 2);   // (the consumer's last stores are issued)
+        KDTREE_TIMELINE(2, 2);   // (the consumers' last stores are issued)
         break;
       }
-      const ItemCtx cx = item_ctx<kRows, kTileN, true>(prm, item);
+      const ItemCtx whole = item_ctx<Consumers * kRows, kTileN, true>(prm, item);
+      const ItemCtx cx = Consumers == 1 ? whole : consumer_rows(whole, me);
       const bool prefix = !drafts_split(cx);
-      if (k > 0) bar_sync(kBarConsumer, kConsumerThreads);   // the previous item's result rows (in q) are stored
-      wg::issue_q_copies<kRows>(prm, cx, H, sm.q, tid, kConsumerThreads, prefix);
-      cp_async_wait_all();   // this thread's q copies (the consumer issues no other cp.async)
+      if (k > 0) bar_sync(bar, kConsumerThreads);   // the previous item's result rows (in q) are stored
+      wg::issue_q_copies<kRows>(prm, cx, H, sm.q[me], t128, kConsumerThreads, prefix);
+      cp_async_wait_all();   // this thread's q copies (the consumers issue no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
-      bar_sync(kBarConsumer, kConsumerThreads);
+      bar_sync(bar, kConsumerThreads);
 
       int rn[4];      // verify token of each of the thread's four columns (-1: a padding row)
       float scale[4]; // score factor of each column (log2 units): a prefix item's takes k_scale and q's 2^e
@@ -355,28 +395,30 @@ __global__ void __launch_bounds__(kThreads, 1) kdtree_verify_split_skinny_fp8_ke
         float s[8], alpha[4];
         if (prefix) {
           scores_e4m3(s, kv, qd, warp, lane);
-          sk::column_softmax(prm, cx, cx.k0 + t * keys, rn, scale, true, s, m_run, l_part, alpha, sm.red, warp, g, c,
-                             PtE4m3{sm.p[0], sm.p[1], warp, g, c});
+          sk::column_softmax(prm, cx, cx.k0 + t * keys, rn, scale, true, s, m_run, l_part, alpha, sm.red[me], warp, g,
+                             c, PtE4m3{sm.p[me][0], sm.p[me][1], warp, g, c}, bar);
           sk::rescale_o_t(o, alpha);
           values_e4m3(o, kv, pd, pd_lo, warp, lane);
         } else {
           scores_bf16(s, kv, qd, warp, lane);
           sk::column_softmax(prm, cx, cx.k0 + t * keys, rn, scale, warp < kDraftKeys / 16, s, m_run, l_part, alpha,
-                             sm.red, warp, g, c, sk::PtBf16{sm.p[0], warp, g, c});
+                             sm.red[me], warp, g, c, sk::PtBf16{sm.p[me][0], warp, g, c}, bar);
           sk::rescale_o_t(o, alpha);
           values_bf16(o, kv, pd, warp, lane);
         }
-        mbar_arrive(&sm.empty[b]);   // release: the producer refills the stage
+        mbar_arrive(&sm.empty[b]);   // release: the producer refills the stage once every consumer thread has
       }
       // prefix items: accumulator row g / g + 8 of a warp is value dim 2g / 2g + 1 of its 16 (values_e4m3)
-      sk::store_item(prm, cx, H, o, m_run, l_part, prefix ? prm.v_scale * (1.f / 448.f) : 1.f, sm.lred, sm.row_m,
-                     sm.row_l, sm.q, tid, [prefix](int mb, int w, int g, int h) {
-                       return mb * wg::kSlabDims + w * 16 + (prefix ? 2 * g + h : g + 8 * h);
-                     });
+      sk::store_item(
+          prm, cx, H, o, m_run, l_part, prefix ? prm.v_scale * (1.f / 448.f) : 1.f, sm.lred[me], sm.row_m[me],
+          sm.row_l[me], sm.q[me], t128,
+          [prefix](int mb, int w, int g, int h) { return mb * wg::kSlabDims + w * 16 + (prefix ? 2 * g + h : g + 8 * h); },
+          bar);
     }
   } else {
     // =========================== producer warpgroup ===========================
-    key_producer(sm, prm, tid - kConsumerThreads, total, fetch_item);
+    if constexpr (Consumers > 1) wg::set_max_regs<kProducerRegs, kLaunchRegs<Consumers>>();
+    key_producer(sm, prm, tid - kClaimer, total, fetch_item);
   }
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel

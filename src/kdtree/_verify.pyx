@@ -39,6 +39,7 @@ cdef extern from "kdtree_verify.h" nogil:
         KDTREE_KERNEL_MMA_FP8
         KDTREE_KERNEL_DUAL_FP8
         KDTREE_KERNEL_SKINNY_FP8
+        KDTREE_KERNEL_SKINNY_FP8_32ROW
         KDTREE_KERNEL_MMA_SCALED
 
     ctypedef struct kdtree_verify_params:
@@ -115,7 +116,7 @@ _KERNEL_NAMES = {KDTREE_KERNEL_MMA_2STAGE: "mma.sync-2stage", KDTREE_KERNEL_MMA_
                  KDTREE_KERNEL_MMA_32ROW: "mma.sync-2stage-32row", KDTREE_KERNEL_DUAL: "wgmma-dual",
                  KDTREE_KERNEL_SKINNY: "wgmma-skinny", KDTREE_KERNEL_MMA_FP8: "mma.sync-fp8",
                  KDTREE_KERNEL_MMA_SCALED: "mma.sync-scaled", KDTREE_KERNEL_DUAL_FP8: "wgmma-dual-fp8",
-                 KDTREE_KERNEL_SKINNY_FP8: "wgmma-skinny-fp8"}
+                 KDTREE_KERNEL_SKINNY_FP8: "wgmma-skinny-fp8", KDTREE_KERNEL_SKINNY_FP8_32ROW: "wgmma-skinny-fp8-32row"}
 
 
 def split_kernel(batch_size=None, num_tokens=None, num_heads=None, kv_dtype=KDTREE_KV_BF16, kv_scaled=False):
@@ -124,7 +125,8 @@ def split_kernel(batch_size=None, num_tokens=None, num_heads=None, kv_dtype=KDTR
     sizes, the kernel a call of that batch size, token count and head count runs (``"wgmma-skinny"`` where the device
     runs the dual kernel and no request can exceed 16 rows, ``"mma.sync-2stage-32row"`` where it runs the 2-stage
     kernel and no request can exceed 32 rows; for ``kv_dtype=KV_E4M3`` ``"wgmma-dual-fp8"`` where the device runs the
-    dual kernel, ``"wgmma-skinny-fp8"`` where it would run ``"wgmma-skinny"`` on a bf16 pool, else
+    dual kernel, ``"wgmma-skinny-fp8"`` where it would run ``"wgmma-skinny"`` on a bf16 pool,
+    ``"wgmma-skinny-fp8-32row"`` where it runs the dual kernel and no request can exceed 32 rows, else
     ``"mma.sync-fp8"``; ``"mma.sync-scaled"`` for a bf16 pool with ``kv_scaled``: KV scales other
     than 1). Raises KdtreeError when no device is usable."""
     cdef int kernel = 0
