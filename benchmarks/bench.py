@@ -56,11 +56,15 @@ def shapes(quick: bool, small_rows: bool = False):
     rows.append(dict(name="H16 N9 tree P131072 contiguous", prefixes=[131072], heads=16, n=9, shuffle=False))
     if quick:
         rows = [r for r in rows if r["name"] in ("H16 N9 tree P8192", "H16 N9 tree P131072", "H16 N1 tree P131072")]
-    if small_rows:   # requests of <= 16 rows (the skinny kernel's calls on sm_90a) beyond the table's H16 N1 P131072
-        for h, n, p in [(16, 1, 8192), (16, 1, 32768), (16, 1, 185000), (8, 2, 131072), (1, 9, 131072)]:
+    if small_rows:   # requests of <= 32 rows (the skinny kernels' calls on sm_90a) beyond the table's
+        for h, n, p in [(16, 1, 8192), (16, 1, 32768), (16, 1, 185000), (8, 2, 131072), (1, 9, 131072),
+                        (16, 2, 131072), (6, 3, 131072)]:
             rows.append(dict(name=f"H{h} N{n} tree P{p}", prefixes=[p], heads=h, n=n))
-        # a batch of such requests (SGLang's verify of several requests, each with few drafts)
+        for p in [8192, 32768]:
+            rows.append(dict(name=f"H8 N4 chain(None) P{p}", prefixes=[p], heads=8, n=4, causal_none=True))
+        # batches of such requests (SGLang's verify of several requests, each with few drafts)
         rows.append(dict(name="B8 ragged 4k..64k H8 N2", prefixes=rag, heads=8, n=2))
+        rows.append(dict(name="B8 ragged 4k..64k H8 N4 chain(None)", prefixes=rag, heads=8, n=4, causal_none=True))
         # whether the gather's slot order binds a memory-bound call
         rows.append(dict(name="H16 N1 tree P131072 contiguous", prefixes=[131072], heads=16, n=1, shuffle=False))
     return rows
@@ -243,7 +247,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated substrings: keep shapes whose name has one")
-    ap.add_argument("--small-rows", action="store_true", help="add shapes of <= 16 rows per request")
+    ap.add_argument("--small-rows", action="store_true", help="add shapes of <= 32 rows per request")
     ap.add_argument("--separate-mask", action="store_true",
                     help="the whole call packs the mask with build_tree_mask's kernel first")
     ap.add_argument("--kv", choices=sorted(KV_DTYPES), default="bf16", help="the pool's element type")
