@@ -84,7 +84,8 @@ struct Smem {
 template <int Consumers>
 constexpr size_t kSmemBytes = sizeof(Smem<Consumers>) + 1024;   // + room to align the base to 1 KB
 static_assert(kSmemBytes<2> <= 232448, "sm_90 gives a block at most 227 KB of shared memory");
-static_assert((kStages * kStageBytes) % 1024 == 0 && (wg::kSlabs * kQSlabBytes) % 1024 == 0 && (kRows * 128) % 1024 == 0,
+static_assert((kStages * kStageBytes) % 1024 == 0 && (wg::kSlabs * kQSlabBytes) % 1024 == 0 &&
+                  (kRows * 128) % 1024 == 0,
               "q and P^T on 1 KB atoms");
 static_assert(kQ8RowBytes == kKeyBytes, "a row of q's e4m3 terms takes the bytes of a bf16 row");
 
@@ -341,8 +342,8 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
   if (tid < kClaimer) {
     // =========================== consumer warpgroups ===========================
     if constexpr (Consumers > 1) wg::set_max_regs<kConsumerRegs, kLaunchRegs<Consumers>>();
-    // this warpgroup's 16 rows of each item, and the thread's index in it (constants where there is one consumer,
-    // whose code is then the same as before the second: its barrier ids included)
+    // this warpgroup's 16 rows of each item, and the thread's index in it: constants where there is one consumer, so
+    // that the 16-row form keeps one named barrier id (ptxas reserves all 16 for a runtime id) and its registers
     const int me = Consumers == 1 ? 0 : tid / kConsumerThreads;
     const int t128 = Consumers == 1 ? tid : tid % kConsumerThreads;
     const int bar = sk::kBarConsumer + me;
@@ -412,7 +413,9 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
       sk::store_item(
           prm, cx, H, o, m_run, l_part, prefix ? prm.v_scale * (1.f / 448.f) : 1.f, sm.lred[me], sm.row_m[me],
           sm.row_l[me], sm.q[me], t128,
-          [prefix](int mb, int w, int g, int h) { return mb * wg::kSlabDims + w * 16 + (prefix ? 2 * g + h : g + 8 * h); },
+          [prefix](int mb, int w, int g, int h) {
+            return mb * wg::kSlabDims + w * 16 + (prefix ? 2 * g + h : g + 8 * h);
+          },
           bar);
     }
   } else {
