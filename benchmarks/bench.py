@@ -56,7 +56,7 @@ def shapes(quick: bool, small_rows: bool = False):
     rows.append(dict(name="H16 N9 tree P131072 contiguous", prefixes=[131072], heads=16, n=9, shuffle=False))
     if quick:
         rows = [r for r in rows if r["name"] in ("H16 N9 tree P8192", "H16 N9 tree P131072", "H16 N1 tree P131072")]
-    if small_rows:   # requests of <= 32 rows (the skinny kernels' calls on sm_90a) beyond the table's
+    if small_rows:   # requests of <= 32 rows (the skinny kernels' calls on sm_90a) beyond the table's H16 N1 and H8 N4
         for h, n, p in [(16, 1, 8192), (16, 1, 32768), (16, 1, 185000), (8, 2, 131072), (1, 9, 131072),
                         (16, 2, 131072), (6, 3, 131072)]:
             rows.append(dict(name=f"H{h} N{n} tree P{p}", prefixes=[p], heads=h, n=n))
