@@ -3,7 +3,9 @@
 #   KDTREE_AB_VARIANTS="KDTREE_DUAL_LAZY_RESCALE=0 KDTREE_MIN_CHUNK=192" bash tools/ab_variants.sh
 # Each variant is one or more macro definitions joined by "+" (e.g. "KDTREE_A=1+KDTREE_B=2"); a part ENV:NAME=VALUE is
 # an environment variable set for that variant's tests and runs only, not a macro (e.g.
-# "KDTREE_X=1+ENV:KDTREE_SPLIT_STAGES=2"). The script
+# "KDTREE_X=1+ENV:KDTREE_SPLIT_STAGES=2"); a part SRC:PATH builds that variant from another source tree, a directory
+# or a tar archive of one (the device machine gets no .git: e.g. `git archive -o .carry/main.tar main` here, then
+# "SRC:.carry/main.tar" there, against the working tree's code). The script
 # - builds the default (ci/build_gpu.sh, installed) and every variant (pip --target /tmp/kd_ab<i>, its own build tree)
 #   side by side;
 # - runs the kernel's GPU tests on every variant (KDTREE_AB_TESTS=0 skips them), in parallel;
@@ -28,14 +30,21 @@ ONLY=${KDTREE_AB_ONLY:-P8192,H16 N9 tree P32768,H16 N9 tree P131072,B8,H8 N9,H12
 step "builds: default and ${#variants[@]} variant(s), side by side"
 ( KDTREE_CUDA_ARCHS=$arch bash ci/build_gpu.sh > "$OUT/ab_build_default.log" 2>&1; echo "default build rc=$?" ) &
 for i in "${!variants[@]}"; do
-  flags=""
-  for d in ${variants[$i]//+/ }; do [[ "$d" == ENV:* ]] || flags="$flags -D$d"; done
-  rm -rf "/tmp/kd_ab$i"
-  ( python3 -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/kd_ab$i" . -C "build-dir=/tmp/build_ab$i" \
-      -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/ab_build_$i.log" 2>&1
+  flags="" src=.
+  for d in ${variants[$i]//+/ }; do
+    case "$d" in ENV:*) ;; SRC:*) src=${d#SRC:} ;; *) flags="$flags -D$d" ;; esac
+  done
+  if [ -f "$src" ]; then   # a tar archive of a source tree
+    rm -rf "/tmp/kd_ab_src$i" && mkdir -p "/tmp/kd_ab_src$i" && tar -xf "$src" -C "/tmp/kd_ab_src$i" && src=/tmp/kd_ab_src$i
+  fi
+  [ -f "$src/pyproject.toml" ] || { echo "variant $i (${variants[$i]}): no source tree at $src"; exit 1; }
+  rm -rf "/tmp/kd_ab$i" "/tmp/build_ab$i"
+  ( cd "$src" && python3 -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/kd_ab$i" . \
+      -C "build-dir=/tmp/build_ab$i" -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" \
+      > "$OUT/ab_build_$i.log" 2>&1
     echo "variant $i (${variants[$i]}) build rc=$?" ) &
-  # (a variant whose wgmma ptxas serialises is timed all the same, but says so: tools/wgmma_check.sh)
-  if [ "$arch" = 90 ]; then ( bash tools/wgmma_check.sh $flags | sed "s/^/variant $i: /" ) & fi
+  # (a variant whose wgmma ptxas serialises is timed all the same, but says so: tools/wgmma_check.sh of its tree)
+  if [ "$arch" = 90 ]; then ( bash "$src/tools/wgmma_check.sh" $flags | sed "s/^/variant $i: /" ) & fi
 done
 wait
 grep -q "built and installed" "$OUT/ab_build_default.log" || { echo "the default build failed:"; tail -20 "$OUT/ab_build_default.log"; exit 1; }
