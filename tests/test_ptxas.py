@@ -33,8 +33,9 @@ def test_no_kernel_serialises_its_wgmma(flags):
 SPILL_ALLOWANCE = {("sm_90a", "_ZN6kdtree30kdtree_verify_split_fp8_kernelENS_6ParamsE"): 64}
 
 # Kernels whose warpgroups trade registers by setmaxnreg: the registers a thread that ptxas gives the launch, which the
-# kernel's pool arithmetic assumes (verify_dual.cuh and verify_skinny_fp8.cuh, kLaunchRegs). With fewer, setmaxnreg.inc waits forever for
-# registers the block never had (ptxas gives 96, not 120, to 544 threads: it counts whole warpgroups).
+# kernel's pool arithmetic assumes (verify_dual.cuh and verify_skinny_fp8.cuh, kLaunchRegs). With fewer,
+# setmaxnreg.inc waits forever for registers the block never had (ptxas gives 96, not 120, to 544 threads: it counts
+# whole warpgroups).
 LAUNCH_REGISTERS = {"_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb0EEEvNS_6ParamsE": 96,
                     "_ZN6kdtree4dual31kdtree_verify_split_dual_kernelILb1EEEvNS_6ParamsE": 128,
                     "_ZN6kdtree3sk837kdtree_verify_split_skinny_fp8_kernelILi2EEEvNS_6ParamsE": 168}

@@ -35,12 +35,14 @@ for i in "${!variants[@]}"; do
     case "$d" in ENV:*) ;; SRC:*) src=${d#SRC:} ;; *) flags="$flags -D$d" ;; esac
   done
   if [ -f "$src" ]; then   # a tar archive of a source tree
-    rm -rf "/tmp/kd_ab_src$i" && mkdir -p "/tmp/kd_ab_src$i" && tar -xf "$src" -C "/tmp/kd_ab_src$i" && src=/tmp/kd_ab_src$i
+    rm -rf "/tmp/kd_ab_src$i" && mkdir -p "/tmp/kd_ab_src$i" && tar -xf "$src" -C "/tmp/kd_ab_src$i" &&
+      src=/tmp/kd_ab_src$i
   fi
   [ -f "$src/pyproject.toml" ] || { echo "variant $i (${variants[$i]}): no source tree at $src"; exit 1; }
   rm -rf "/tmp/kd_ab$i" "/tmp/build_ab$i"
   ( cd "$src" && python3 -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/kd_ab$i" . \
-      -C "build-dir=/tmp/build_ab$i" -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" \
+      -C "build-dir=/tmp/build_ab$i" -C "cmake.define.KDTREE_CUDA_ARCHS=$arch" \
+      -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" \
       > "$OUT/ab_build_$i.log" 2>&1
     echo "variant $i (${variants[$i]}) build rc=$?" ) &
   # (a variant whose wgmma ptxas serialises is timed all the same, but says so: tools/wgmma_check.sh of its tree)

@@ -40,7 +40,8 @@ cat > "$tmp/sz.cu" <<'CU'
 #include "verify_skinny_fp8.cuh"
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B, its 32-row shape %zu B, FP8 %zu B (sm_120 limit "
-         "101376), 3 stages %zu B, dual %zu B, dual FP8 %zu B, skinny %zu B, skinny FP8 %zu B, its 32-row form %zu B (sm_90 limit 232448); the drafts-apart "
+         "101376), 3 stages %zu B, dual %zu B, dual FP8 %zu B, skinny %zu B, skinny FP8 %zu B, its 32-row form %zu B "
+         "(sm_90 limit 232448); the drafts-apart "
          "(scaled) kernels "
          "take their stages' storage\n",
          sizeof(kdtree::SharedStorage<2>),

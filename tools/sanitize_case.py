@@ -3,7 +3,8 @@
 the `many` batch twice on one Workspace, the second call on the first one's plan (reuse_plan, new q); `n1`: the
 split case with one verify token (16-row items; under KDTREE_SPLIT_STAGES=2 the 2-stage mma.sync kernel's 32-row shape);
 `n4`, `n4many`: the split and many cases at H8 N4 (32-row requests: on an e4m3 pool on sm_90a the skinny FP8 kernel's
-32-row form, two consumer warpgroups a block); `pack`: the split case with the call packing its own tree mask (custom_mask=, in the plan kernel's extra blocks);
+32-row form, two consumer warpgroups a block); `pack`: the split case with the call packing its own tree mask
+(custom_mask=, in the plan kernel's extra blocks);
 `balanced`: H128 N9, two requests of 18 row tiles whose split rule adds a short split on 132 SMs (8 splits, 9,216
 partial rows each: more than 132 x 64, so the workspace must allow each request its own rows beyond the grid's).
 KDTREE_TEST_KV=e4m3 runs the case on an e4m3 pool (the FP8 kernel, the prep kernel's q blocks) with KV scales.
