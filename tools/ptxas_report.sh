@@ -41,9 +41,7 @@ cat > "$tmp/sz.cu" <<'CU'
 int main() {
   printf("dynamic shared memory per block: mma.sync 2 stages %zu B, its 32-row shape %zu B, FP8 %zu B (sm_120 limit "
          "101376), 3 stages %zu B, dual %zu B, dual FP8 %zu B, skinny %zu B, skinny FP8 %zu B, its 32-row form %zu B "
-         "(sm_90 limit 232448); the drafts-apart "
-         "(scaled) kernels "
-         "take their stages' storage\n",
+         "(sm_90 limit 232448); the drafts-apart (scaled) kernels take their stages' storage\n",
          sizeof(kdtree::SharedStorage<2>),
          sizeof(kdtree::SharedStorage<2, kdtree::MmaHalves::kBlockM, kdtree::MmaHalves::kKeyHalves>),
          sizeof(kdtree::SharedStorageFp8), sizeof(kdtree::SharedStorage<3>), kdtree::dual::kSmemBytes,
