@@ -123,3 +123,12 @@ def test_fp8_kernel_runs_block_scaled_mma_on_sm120a(tmp_path_factory):
     assert any(op.startswith("HMMA.16816.F32.BF16") for op in sm120)   # the draft items: bf16, as exact as bf16 pools
     sm90 = _sass_of_kernels(_compiled("sm_90a", tmp_path_factory)[0])[fp8]
     assert not any(op.startswith("QMMA") for op in sm90) and "HMMA.16816.F32" in sm90
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in (ROOT / "tools").glob("*.cu")))
+def test_measurement_tools_compile(tool, tmp_path):
+    # the standalone microbenchmarks in tools/ include the kernels' headers: they must build as their first lines say
+    out = subprocess.run([nvcc_or_skip(), "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
+                          f"-I{ROOT / 'src' / 'cuda'}", str(ROOT / "tools" / tool), "-o", str(tmp_path / "tool")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
