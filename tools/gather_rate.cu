@@ -48,8 +48,8 @@ constexpr size_t kPoolBytes = 302ull << 20;
 
 // keys[k] is the slot of key k; block b lands keys [b * per, (b + 1) * per) in tiles of kTile.
 __global__ void __launch_bounds__(kThreads) gather_kernel(const unsigned char* pool, const int* keys, int per,
-                                                          int row, int pitch, int run, int stages, int lsu_keys, int spread,
-                                                          unsigned* sink) {
+                                                          int row, int pitch, int run, int stages, int lsu_keys,
+                                                          int spread, unsigned* sink) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long full[kMaxStages], empty[kMaxStages];
   const int tid = threadIdx.x;
