@@ -146,3 +146,25 @@ def test_fp8_graph_replay_and_batch_invariance(heads, n):
     torch.cuda.synchronize()
     ref = verify_attention_reference(**big.verify_args())
     assert _rel(out, ref) < 3e-2
+
+
+@pytest.mark.parametrize("page_size, shuffle", [(64, True), (64, False), (3, True)])
+@pytest.mark.parametrize("heads, n", SHAPES)
+def test_paged_pools_match_shuffled_slots(page_size, shuffle, heads, n):
+    """Pools whose consecutive keys sit in consecutive slots (SGLang's 64-token pages, drawn at random or in order; 3-slot
+    pages, which split some pairs of keys and not others): the result within the reference's tolerance, and bit for bit
+    the result of the same keys in shuffled slots of another pool. Every slot a call must not read holds the e4m3 NaN,
+    so a copy past a request's last key shows as NaN."""
+    prefixes = [4097, 63, 0, 1000]   # odd and even ends, an empty prefix, a request shorter than a page
+    batch = make_verify_batch(prefixes, heads, n, kind="tree", pad=1 if n > 1 else 0, device="cuda",
+                              seed=page_size + heads + n, kv_dtype=E4M3, page_size=page_size, shuffle=shuffle)
+    args = batch.verify_args()
+    out = _run(args)
+    assert _rel(out, verify_attention_reference(**args)) < 3e-2
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    slots = batch.kv_buffer.shape[0]
+    moved_idx = torch.randperm(slots - 1, generator=gen, device="cuda")[:batch.kv_indices.numel()] + 1
+    moved = torch.full((slots, 1, 576), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+    moved[moved_idx] = batch.kv_buffer[batch.kv_indices]
+    moved_args = dict(args, kv_cache=moved.view(slots, 576), kv_indices=moved_idx)
+    assert torch.equal(out, _run(moved_args))

@@ -118,6 +118,30 @@ def test_nan_in_unread_slots_never_leaks():
     assert call(dict(args, kv_cache=kv_cache_2d(pool)))[:9].isnan().any()
 
 
+@pytest.mark.parametrize("page_size, shuffle", [(64, True), (64, False), (3, True)])
+def test_synthetic_paged_pools(page_size, shuffle):
+    """make_verify_batch(page_size=...) lays a batch out as SGLang's paged pools do: each request's prefix, then its
+    drafts, fill pages of its own from their first slot, no slot twice, page 0 unused; its result is the reference's."""
+    prefixes, n = (130, 0, 63, 7), 3
+    b = make_verify_batch(list(prefixes), 2, n, seed=3, page_size=page_size, shuffle=shuffle, pool_factor=3)
+    slots = b.kv_buffer.shape[0]
+    assert slots % page_size == 0
+    firsts = b.kv_indptr[:-1].long()
+    for i, p in enumerate(prefixes):
+        req = torch.cat([b.kv_indices[firsts[i]:firsts[i] + p], b.out_cache_loc[i * n:(i + 1) * n]])
+        assert int(req[0]) % page_size == 0                       # a request starts a page
+        within = req[1:] % page_size != 0                         # and runs on through each page it is in
+        assert torch.equal(req[1:][within], req[:-1][within] + 1)
+    every = torch.cat([b.kv_indices, b.out_cache_loc])
+    assert every.unique().numel() == every.numel() and int(every.min()) >= page_size
+    if not shuffle:
+        assert torch.equal(b.kv_indices[:130], torch.arange(page_size, page_size + 130))
+    args = dict(b.verify_args(), sm_scale=SM_SCALE)
+    assert torch.isfinite(call(args)).all()
+    with pytest.raises(ValueError, match="page_size"):
+        make_verify_batch([4], 1, 1, page_size=0)
+
+
 def test_verify_attention_mla_matches():
     args, b = batch_args((20, 5), 5, 2)
     got = verify_attention_mla(b.q, b.k, b.kv_buffer, b.kv_indptr, b.kv_indices, b.qo_indptr,

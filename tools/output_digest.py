@@ -27,7 +27,8 @@ def main():
         if only and not any(o in s["name"] for o in only):
             continue
         b, out, kd, _ = verify_call(s["prefixes"], s["heads"], s["n"], seed=7, pad=s.get("pad", 0),
-                                    causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True))
+                                    causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True),
+                                    page_size=s.get("page", 1))
         kd()
         torch.cuda.synchronize()
         first = out.clone()

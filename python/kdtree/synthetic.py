@@ -94,6 +94,7 @@ def make_verify_batch(
     sm_scale: float = 192 ** -0.5,
     graph_tails: bool = False,
     kv_dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 1,
 ) -> VerifyBatch:
     """Build one verify batch: ``len(prefixes)`` requests, each with ``num_tokens`` verify tokens.
 
@@ -103,7 +104,8 @@ def make_verify_batch(
     hold them: longer than the indptrs delimit, the tails garbage (slot ids that may name poisoned
     slots, random mask bytes) that a correct consumer never reads. ``kv_dtype=torch.float8_e4m3fn`` builds an e4m3
     pool (SGLang's fp8_e4m3 KV cache: the rows are the bf16 values rounded to e4m3; poisoned slots hold the e4m3 NaN
-    byte 0x7F)."""
+    byte 0x7F). ``page_size > 1`` allocates as SGLang's paged pools do: each request's prefix, then its drafts, fill
+    whole pages of its own in order, the pages drawn at random (``shuffle``) or in order, page 0 never handed out."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)                 # trees (host)
     dgen = torch.Generator(device=dev).manual_seed(seed)      # tensors, drawn where they live
@@ -117,17 +119,36 @@ def make_verify_batch(
     def randn(*shape):
         return torch.randn(*shape, generator=dgen, device=dev).to(torch.bfloat16)
 
-    # slot 0 is SGLang's padding slot: never handed out
-    perm = (torch.randperm(slots - 1, generator=dgen, device=dev) + 1 if shuffle
-            else torch.arange(1, slots, device=dev))
     if kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         raise ValueError(f"kv_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {kv_dtype}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if page_size == 1:
+        # slot 0 is SGLang's padding slot: never handed out
+        perm = (torch.randperm(slots - 1, generator=dgen, device=dev) + 1 if shuffle
+                else torch.arange(1, slots, device=dev))
+        kv_indices = perm[:total_p].to(torch.int64)
+        out_cache_loc = perm[total_p:total_p + t].to(torch.int64)
+    else:
+        pages_of = [-(-(p + n) // page_size) for p in prefixes]
+        num_pages = max(-(-slots // page_size), sum(pages_of) + 1)
+        slots = num_pages * page_size
+        # page 0 holds SGLang's padding slot: never handed out
+        order = (torch.randperm(num_pages - 1, generator=dgen, device=dev) + 1 if shuffle
+                 else torch.arange(1, num_pages, device=dev))
+        offs = torch.arange(page_size, device=dev)
+        prefix_slots, draft_slots, first = [], [], 0
+        for p, np_ in zip(prefixes, pages_of):
+            req = (order[first:first + np_, None] * page_size + offs).flatten()
+            prefix_slots.append(req[:p])
+            draft_slots.append(req[p:p + n])
+            first += np_
+        kv_indices = torch.cat(prefix_slots).to(torch.int64)
+        out_cache_loc = torch.cat(draft_slots).to(torch.int64)
     if poison:
         pool = torch.full((slots, 1, 576), float("nan"), dtype=torch.bfloat16, device=dev).to(kv_dtype)
     else:
         pool = randn(slots, 1, 576).to(kv_dtype)
-    kv_indices = perm[:total_p].to(torch.int64)
-    out_cache_loc = perm[total_p:total_p + t].to(torch.int64)
     pool[kv_indices] = randn(total_p, 1, 576).to(kv_dtype)
     q = randn(t, num_heads, 576)
     k = randn(t, 1, 576)
