@@ -152,9 +152,9 @@ def test_fp8_graph_replay_and_batch_invariance(heads, n):
 @pytest.mark.parametrize("heads, n", SHAPES)
 def test_paged_pools_match_shuffled_slots(page_size, shuffle, heads, n):
     """Pools whose consecutive keys sit in consecutive slots (SGLang's 64-token pages, drawn at random or in order; 3-slot
-    pages, which split some pairs of keys and not others): the result within the reference's tolerance, and bit for bit
-    the result of the same keys in shuffled slots of another pool. Every slot a call must not read holds the e4m3 NaN,
-    so a copy past a request's last key shows as NaN."""
+    pages, whose runs of consecutive slots break at odd and even keys alike): the result within the reference's
+    tolerance, and bit for bit the result of the same keys in shuffled slots of another pool, whatever a kernel makes of
+    the runs. Every slot a call must not read holds the e4m3 NaN, so a copy past a request's last key shows as NaN."""
     prefixes = [4097, 63, 0, 1000]   # odd and even ends, an empty prefix, a request shorter than a page
     batch = make_verify_batch(prefixes, heads, n, kind="tree", pad=1 if n > 1 else 0, device="cuda",
                               seed=page_size + heads + n, kv_dtype=E4M3, page_size=page_size, shuffle=shuffle)
