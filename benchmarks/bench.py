@@ -181,7 +181,8 @@ def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16", ceil=None):
     layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
                kv=kv, split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h, kdtree.ops.KV_DTYPES[KV_DTYPES[kv]]),
-               shuffled=s.get("shuffle", True), page_size=s.get("page", 1), mask_packed="separately" if separate_mask else "in the call",
+               shuffled=s.get("shuffle", True), page_size=s.get("page", 1),
+               mask_packed="separately" if separate_mask else "in the call",
                kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)
     rates = dict(mem_bw=ceil["copy_tbps"] * 1e12, mma=ceil["matmul_tflops"] * 1e12) if ceil else {}
