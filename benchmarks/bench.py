@@ -68,9 +68,9 @@ def shapes(quick: bool, small_rows: bool = False):
         # whether the gather's slot order binds a memory-bound call
         rows.append(dict(name="H16 N1 tree P131072 contiguous", prefixes=[131072], heads=16, n=1, shuffle=False))
         # a DSA model's pool (GLM-5.x, DeepSeek-V3.2): 64-token pages in random order
-        rows.append(dict(name="H16 N1 tree P131072 page64", prefixes=[131072], heads=16, n=1, page=64))
+        rows.append(dict(name="H16 N1 tree P131072 page64", prefixes=[131072], heads=16, n=1, page_size=64))
         rows.append(dict(name="H8 N4 chain(None) P131072 page64", prefixes=[131072], heads=8, n=4, causal_none=True,
-                         page=64))
+                         page_size=64))
     return rows
 
 
@@ -171,7 +171,7 @@ def graph_bench_ms(fn, rep_ms=300):
 def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16", ceil=None):
     b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask, kv=kv,
                                     pad=s.get("pad", 0), causal_none=s.get("causal_none", False),
-                                    shuffle=s.get("shuffle", True), page_size=s.get("page", 1))
+                                    shuffle=s.get("shuffle", True), page_size=s.get("page_size", 1))
     t, h = b.q.shape[:2]
     kd()
     torch.cuda.synchronize()
@@ -181,7 +181,7 @@ def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16", ceil=None):
     layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
                kv=kv, split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h, kdtree.ops.KV_DTYPES[KV_DTYPES[kv]]),
-               shuffled=s.get("shuffle", True), page_size=s.get("page", 1),
+               shuffled=s.get("shuffle", True), page_size=s.get("page_size", 1),
                mask_packed="separately" if separate_mask else "in the call",
                kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)

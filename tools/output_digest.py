@@ -28,7 +28,7 @@ def main():
             continue
         b, out, kd, _ = verify_call(s["prefixes"], s["heads"], s["n"], seed=7, pad=s.get("pad", 0),
                                     causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True),
-                                    page_size=s.get("page", 1))
+                                    page_size=s.get("page_size", 1))
         kd()
         torch.cuda.synchronize()
         first = out.clone()
