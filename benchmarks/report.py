@@ -95,9 +95,18 @@ def table(d):
     return "\n".join(lines)
 
 
+def layer_call(r):
+    """A bench_sglang_layer.py row's call: H16 N9 tree (or chain) P131,072, and the pool and KV dtype where not
+    SGLang's default MLA pool of bf16 (rows written before those keys existed are H16 N9 tree calls on it)."""
+    mask = "chain" if r.get("mask", "tree") == "none" else "tree"   # (none: no custom mask, a causal chain)
+    call = f"H{r.get('heads', 16)} N{r.get('n', 9)} {mask} P{r['prefix']:,}"
+    pool, kv = r.get("pool", "mla"), r.get("kv", "bf16")
+    return call + ("" if pool == "mla" else f" {pool} pool") + ("" if kv == "bf16" else f" {kv}")
+
+
 def layer_table(rows):
     passes = all("pass_reuse_us" in r for r in rows)
-    head = ("| prefix | SGLang forward_extend us | patched (KDTREE_VERIFY=on) eager us | patched, graph replay us "
+    head = ("| call | SGLang forward_extend us | patched (KDTREE_VERIFY=on) eager us | patched, graph replay us "
             "| speed-up (graph) | rel. diff |")
     rule = "|---|---|---|---|---|---|"
     if passes:
@@ -105,7 +114,7 @@ def layer_table(rows):
         rule += "---|---|"
     lines = [head, rule]
     for r in rows:
-        line = (f"| {r['prefix']:,} | {r['original_us']:.0f} | {r['patched_us']:.1f} | {r['patched_graph_us']:.1f} "
+        line = (f"| {layer_call(r)} | {r['original_us']:.0f} | {r['patched_us']:.1f} | {r['patched_graph_us']:.1f} "
                 f"| {r['original_us'] / r['patched_graph_us']:.1f} | {r['rel_err']:.1e} |")
         if passes:
             line += f" {r['pass_reuse_us']:.1f} | {r['pass_noreuse_us']:.1f} |"
