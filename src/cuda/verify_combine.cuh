@@ -49,7 +49,24 @@ __device__ __forceinline__ float combine_block_max(float v, float* s_red) {
 }
 
 // A combine work of request-local row r (nsplit splits) waits, in one thread, until every split item of the row's tile
-// has stored its partials (spin_until_done; acquire: the block barrier after it orders the block's loads of them).
+// has stored its partials (acquire: the block barrier after it orders the block's loads of them). A wait that outlasts
+// kDoneWaitNs can only be a broken count: it traps (a launch error) rather than hang the GPU.
+constexpr unsigned long long kDoneWaitNs = 30ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int n;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
+  return n;
+}
+// Spins (acquire) until counter *done reaches target.
+__device__ __forceinline__ void spin_until_done(const int* done, int target) {
+  const unsigned long long t0 = global_ns();
+  int n;
+  do {
+    __nanosleep(128);
+    n = ld_acquire_gpu(done);
+    if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
+  } while (n < target);
+}
 // The works of row r's tile: its rows times the slices of each (every one passes its tile wait once per call).
 __device__ __forceinline__ int tile_works(const Params& prm, const ReqPlan& rp, int r, int slices) {
   const int row0 = tile_row0(prm.block_m, r);
@@ -196,12 +213,11 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocks) kdtree_ver
   if (!early) grid_dependency_wait();      // the split pass's partials (programmatic launch)
   KDTREE_TIMELINE(3, 1);
   const int tid = threadIdx.x;
-  // the split pass is over: reset its work counter and its count of q's split rows, so that the next call on this
-  // workspace may run on the same plan without the plan kernel (kdtree_verify_params.reuse_plan)
+  // the split pass is over: reset its work counter, so that the next call on this workspace may run on
+  // the same plan without the plan kernel (kdtree_verify_params.reuse_plan)
   auto reset_work_counters = [&] {
     if (blockIdx.x == 0 && tid == 0) {
       prm.counter[0] = 0;
-      prm.counter[kQRowsDone] = 0;
     }
   };
   if (!early) reset_work_counters();

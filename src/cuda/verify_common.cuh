@@ -95,8 +95,7 @@ struct Params {
   int min_chunk;      // that kernel's shortest split, in keys (kMinChunk; sk::kMinChunk skinny)
   long long max_partial_rows;
   // workspace views
-  int* counter;       // [4]: dynamic work counter, total items, the combine's slice count (max over rows), rows of q
-                      // split into e4m3 terms by the split kernel (verify_q8.cuh, kQRowsDone)
+  int* counter;       // [3]: dynamic work counter, total items, the combine's slice count (max over rows)
   const __nv_bfloat16* zero_row;  // [576] zeros: the source of keys past a split's end
   ReqPlan* plan;      // [B]
   float* partial_lse; // [max_partial_rows]
@@ -126,8 +125,7 @@ struct Params {
   // are read and scaled differently from the bf16 drafts.
   int drafts_apart;
   float k_scale, v_scale;   // prefix keys score as kv * k_scale, their values count as kv[:512] * v_scale
-  // The queries split into e4m3 terms for an FP8 call (verify_q8.cuh), written by the prep kernel's q blocks or by the
-  // split kernel's blocks.
+  // The queries split into e4m3 terms for an FP8 call (verify_q8.cuh), written by the prep kernel's q blocks.
   uint8_t* q8;        // [num_tokens * heads][2][576]
   float* q_scale;     // [num_tokens * heads]
   // The prep kernel's blocks: plan_blocks (0 or 1) plan, the next pack_blocks pack the tree mask, the rest split q.

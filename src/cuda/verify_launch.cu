@@ -58,7 +58,7 @@ Layout workspace_layout(int batch, int num_tokens, int heads, int split_target) 
   const long long by_rows = (long long)num_tokens * heads * (split_target + 1);
   l.max_partial_rows = by_batch < by_rows ? by_batch : by_rows;
   l.header = 0;
-  l.zero_row = align_up(4 * sizeof(int));   // the counters (Params::counter)
+  l.zero_row = align_up(3 * sizeof(int));   // the counters
   l.plan = l.zero_row + align_up(kdtree::kDimQK * sizeof(__nv_bfloat16));
   l.lse = l.plan + align_up((size_t)batch * sizeof(ReqPlan));
   l.partial = l.lse + align_up((size_t)l.max_partial_rows * sizeof(float));
@@ -571,15 +571,14 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
 
   const bool pdl = dev.pdl;
   // The prep kernel: the plan (unless reused), the tree mask this call packs (one kernel and one dependency wait fewer
-  // than kdtree_pack_tree_mask before the call) and the dual FP8 form's q terms, each in blocks of its own.
+  // than kdtree_pack_tree_mask before the call) and an FP8 call's q terms, each in blocks of its own.
   const long long pack_words = p->pack_custom_mask ? (long long)p->num_tokens * p->tree_mask_words : 0;
   prm.plan_blocks = p->reuse_plan ? 0 : 1;
   prm.pack_blocks = (int)((pack_words + kdtree::kPlanThreads - 1) / kdtree::kPlanThreads);
   const long long rows = (long long)p->num_tokens * p->num_heads;
-  // (the dual kernel's FP8 form, which loads q's e4m3 terms by TMA; the other FP8 kernels split q themselves,
-  // q8_rows_share, so that a call of theirs that reuses its plan runs no prep kernel)
+  // (every e4m3 call runs an FP8 kernel, and every FP8 kernel reads q's e4m3 terms)
   const int q_blocks =
-      call == KDTREE_KERNEL_DUAL_FP8 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock) : 0;
+      p->kv_dtype == KDTREE_KV_E4M3 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock) : 0;
   const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);
   if (prep_blocks)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, prep_blocks, kdtree::kPlanThreads, 0, stream, pdl, prm));

@@ -74,7 +74,6 @@ struct SharedStorageFp8 {
   float row_l[kBlockM];
   unsigned long long full[kStages8];
   int item, total;
-  int q8_ready;   // every row of q split into e4m3 terms (q8_rows_share), seen by this block
   KDTREE_MMA_TRACE_STORAGE   // TRACE builds: the stamps of the draft items (mma_item)
 };
 static_assert(kExpTrace || sizeof(SharedStorageFp8) <= 101376, "the FP8 kernel must fit sm_120's 99 KB per block");
@@ -116,18 +115,13 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
   const int my_key = vw * kKeysPerWarp + lane;
   const int H = prm.heads;
 
-  if (tid == 0 && !sm.q8_ready) {
-    q8_rows_wait(prm);
-    sm.q8_ready = 1;
-  }
-  __syncthreads();   // (every item: a barrier taken only on the block's first prefix item made the kernel spill)
   // ---- prologue: tiles 0 .. kStages-1 on their way (value warps); q split and quantised (score warps) ----
   long long next_slot = start_key_ring<kStages>(prm, cx, vw, issuer, my_key, [&](int t, long long slot) {
     issue_tile8(sm, prm, cx, t, t, vw, lane, slot);
   });
 
-  // lo(q) and the last steps of hi(q) of the item's rows (verify_q8.cuh; the block's first prefix item waits until the
-  // grid has split every row, q8_rows_share) into shared memory; the rest of hi goes to the score warps' registers
+  // lo(q) and the last steps of hi(q) of the item's rows (the prep kernel's, verify_q8.cuh) into shared memory; the
+  // rest of hi goes to the score warps' registers
   const int wrow = warp * 16;                        // score warps: first tile row of this warp
   constexpr int kHiChunks = kQHiSmemBytes / 16;
   for (int i = tid; i < kBlockM * (kQ8Chunks + kHiChunks); i += kThreads) {   // all copies in flight at once
@@ -306,13 +300,10 @@ __global__ void __launch_bounds__(MmaWide::kThreads, 1) kdtree_verify_split_fp8_
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SharedStorageFp8& sm = *reinterpret_cast<SharedStorageFp8*>(smem_raw);
   const int tid = threadIdx.x;
-  grid_dependency_wait();   // the plan kernel's counter and plan (unless reused), and q
+  grid_dependency_wait();   // the plan kernel's counter and plan
   grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
-  constexpr int kWarps = MmaWide::kThreads / 32;
-  q8_rows_share(prm, (int)blockIdx.x * kWarps + tid / 32, (int)gridDim.x * kWarps, tid & 31);   // this block's share
   uint32_t phase_bits = 0u, pair_bits = 0u;
   if (tid == 0) {
-    sm.q8_ready = 0;   // (waited for before the block's first prefix item)
     for (int b = 0; b < kStages8; ++b) mbar_init(&sm.full[b], 1);
     fence_proxy_async();
   }

@@ -66,13 +66,12 @@ __device__ __forceinline__ void zero_tile_counters(const Params& prm, const ReqP
   }
 }
 
-// The plan's totals for the split and combine kernels: the work counter reset, the item count, the
-// combine's loop bound from the largest split count of any request, and the count of q's split rows reset.
+// The plan's totals for the split and combine kernels: the work counter reset, the item count, and the
+// combine's loop bound from the largest split count of any request.
 __device__ __forceinline__ void write_plan_totals(const Params& prm, int items, int max_nsplit) {
   prm.counter[0] = 0;
   prm.counter[1] = items;
   prm.counter[2] = combine_slices(max_nsplit);
-  prm.counter[kQRowsDone] = 0;
 }
 
 // The prep kernel of a call: everything the split pass reads besides the caller's tensors, in one launch.
@@ -80,8 +79,7 @@ __device__ __forceinline__ void write_plan_totals(const Params& prm, int items, 
 //   the requests, batches of up to 32 requests in one warp with shuffle scans and no block barrier (the split pass waits
 //   on this kernel), larger ones block-wide.
 // - The next Params::pack_blocks blocks pack the tree mask, kPlanThreads words each, when the call packs its own.
-// - The rest, for a call of the dual kernel's FP8 form, split q into e4m3 terms (verify_q8.cuh), kQ8RowsPerBlock rows
-//   each.
+// - The rest, for an FP8 call, split q into e4m3 terms (verify_q8.cuh), kQ8RowsPerBlock rows each.
 // (launch bounds with one block an SM: without it ptxas held the q blocks' work to 48 registers and spilled)
 __global__ void __launch_bounds__(kPlanThreads, 1) kdtree_verify_plan_kernel(Params prm) {
   __shared__ int s_items[kPlanThreads];

@@ -37,24 +37,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// Spins (acquire) until counter *done reaches target, in one thread: a block barrier after it orders the block's
-// later loads. A wait that outlasts kDoneWaitNs can only be a broken count: it traps (a launch error) rather than hang
-// the GPU.
-constexpr unsigned long long kDoneWaitNs = 30ull * 1000 * 1000 * 1000;
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int n;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
-  return n;
-}
-__device__ __forceinline__ void spin_until_done(const int* done, int target) {
-  const unsigned long long t0 = global_ns();
-  int n;
-  do {
-    __nanosleep(128);
-    n = ld_acquire_gpu(done);
-    if (n < target && global_ns() - t0 > kDoneWaitNs) __trap();
-  } while (n < target);
-}
 
 // ---------------------------------------------------------------------------------------------
 // mma.sync / ldmatrix / cp.async helpers

@@ -1,7 +1,6 @@
-// verify_q8.cuh: the queries of an FP8 call in the form its split kernel reads, written once per call by the prep
-// kernel's q blocks (verify_plan.cuh; for the dual kernel's FP8 form) or by the split kernel's own blocks (q8_rows_share:
-// the skinny kernel's FP8 forms, the mma.sync FP8 kernel): each row (t, h) of q, 576 values, split into two e4m3 terms
-// with a power-of-two scale,
+// verify_q8.cuh: the queries of an FP8 call in the form its split kernel reads (verify_mma_fp8.cuh), written once per
+// call by the prep kernel's q blocks (verify_plan.cuh): each row (t, h) of q, 576 values, split into two e4m3 terms with
+// a power-of-two scale,
 //   q = 2^e (hi + lo),   hi = e4m3(q / 2^e),   lo = e4m3(q / 2^e - hi),   amax |q| / 2^e in (224, 448].
 // hi alone is SGLang's e4m3 cast of q wherever q / 2^e and q agree in e4m3's normal range (a power of two changes no
 // mantissa), with its ~3% relative error per element; hi + lo leaves ~2^-8 relative (bf16's precision), or 2^-10
@@ -85,43 +84,6 @@ __device__ __forceinline__ void quantize_q_row(const Params& prm, int row, int l
     }
   }
   if (lane == 0) prm.q_scale[row] = __int_as_float((127 + e) << 23);
-}
-
-// The split kernels that split q themselves share the call's rows out over the grid's warps, one warp a row as in the
-// prep kernel's q blocks, right after their wait for the kernel before them (which may have written q); each warp adds
-// its rows to Params::counter[kQRowsDone] (release), and a block reads the terms once that count reaches every row
-// (q8_rows_wait, acquire). The count starts at 0: the plan kernel sets it, and the combine resets it for a call that
-// reuses the plan. Such a call, SGLang's layers after the first, then runs no prep kernel: per layer of a captured
-// 8-layer pass on an H100, the prep kernel's launch, q split and wait were 3.7-3.8 us of 64.8 (H8 N4 chain P131072, a
-// DSA pool) and of 52.5 (H16 N1 P131072); splitting each item's own rows in the item instead took longer than that (its
-// e4m3 conversions, then repeated on every SM, on the path to the item's first tile).
-constexpr int kQRowsDone = 3;   // the counter index
-__device__ __forceinline__ void q8_rows_share(const Params& prm, int gwarp, int nwarps, int lane) {
-  const int rows = prm.num_tokens * prm.heads;
-  int done = 0;
-  for (int row = gwarp; row < rows; row += nwarps, ++done) quantize_q_row(prm, row, lane);
-  if (done > 0) {
-    __syncwarp();   // every lane's stores of the rows, before lane 0's release
-    if (lane == 0)
-      asm volatile("fence.acq_rel.gpu;\n"
-                   "red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(prm.counter + kQRowsDone), "r"(done) : "memory");
-  }
-}
-// By one thread of a block, before its first read of q's terms (a block or warpgroup barrier after it orders the
-// others' reads). It counts its polls rather than reading the clock (spin_until_done): fewer registers where the
-// mma.sync FP8 kernel waits, with its first key tiles in flight (with the clock, it spilled on sm_120a); a count that
-// never arrives traps after ~2^28 polls of >= 128 ns, as spin_until_done does after kDoneWaitNs.
-__device__ __noinline__ void wait_failed() { __trap(); }
-__device__ __forceinline__ void q8_rows_wait(const Params& prm) {
-  const int* done = prm.counter + kQRowsDone;
-  const int rows = prm.num_tokens * prm.heads;
-  for (unsigned polls = 0;; ++polls) {
-    int n;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(done));
-    if (n >= rows) break;
-    if (polls >= (1u << 28)) wait_failed();
-    __nanosleep(128);
-  }
 }
 
 }  // namespace kdtree

@@ -9,8 +9,7 @@
 // - the producer lands each key's 576-byte row in the stage, one bulk copy a key (592-byte pitch: the 8 rows of an
 //   ldmatrix fall in distinct bank groups);
 // - S^T: one ldmatrix.x4 (b16) of the warp's 16 keys x 32 bytes is the A fragment of a k32 step as it stands; B = q's
-//   two e4m3 terms, q = 2^e (hi + lo) (verify_q8.cuh, split once per call by the grid, q8_rows_share): two wgmma a
-//   step,
+//   two e4m3 terms, q = 2^e (hi + lo) (verify_q8.cuh, written once per call by the prep kernel): two wgmma a step,
 //   scores within bf16's precision of q . k;
 // - O^T: ldmatrix.trans (b16) of keys 0-7, 8-15, 16-23, 24-31 x the warp's 16 value bytes gives a thread keys 2c, 2c + 1
 //   of each x dims 2g, 2g + 1; two byte permutes a matrix pair make 4 keys at one dim, so the A fragment's rows g / g + 8
@@ -81,7 +80,6 @@ struct Smem {
   unsigned long long item_full[2];
   unsigned long long item_empty[2];
   int item[2];
-  int q8_ready[Consumers];   // every row of q split into e4m3 terms (q8_rows_share), seen by this consumer warpgroup
 };
 template <int Consumers>
 constexpr size_t kSmemBytes = sizeof(Smem<Consumers>) + 1024;   // + room to align the base to 1 KB
@@ -328,22 +326,14 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
-  grid_dependency_wait();   // the plan (unless reused) and q
+  grid_dependency_wait();   // the prep kernel's plan and q rows
   KDTREE_TIMELINE(2, 1);
+  const int total = prm.counter[1];
   const int H = prm.heads;
 
   // (full: the producer's expect_tx arrival and the copies' bytes)
-  if (tid == 0) {
-    sk::init_barriers(sm, 1, kClaimer, kThreads<Consumers>);
-#pragma unroll
-    for (int me = 0; me < Consumers; ++me) sm.q8_ready[me] = 0;
-  }
+  if (tid == 0) sk::init_barriers(sm, 1, kClaimer, kThreads<Consumers>);
   __syncthreads();
-
-  // this block's share of the call's rows of q, split into e4m3 terms (every warp; the consumers wait for all rows
-  // before their first prefix item)
-  q8_rows_share(prm, (int)blockIdx.x * (kThreads<Consumers> / 32) + tid / 32, (int)gridDim.x * (kThreads<Consumers> / 32),
-                tid & 31);
 
   auto fetch_item = [&](int k) {
     return wg::fetch_item_ahead(prm, k, tid, kClaimer, sm.item, sm.item_full, sm.item_empty);
@@ -352,8 +342,6 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
   if (tid < kClaimer) {
     // =========================== consumer warpgroups ===========================
     if constexpr (Consumers > 1) wg::set_max_regs<kConsumerRegs, kLaunchRegs<Consumers>>();
-    // (each role reads the item count after its setmaxnreg: held across it, the count was spilled)
-    const int total = prm.counter[1];
     // this warpgroup's 16 rows of each item, and the thread's index in it: constants where there is one consumer, so
     // that the 16-row form keeps one named barrier id (ptxas reserves all 16 for a runtime id) and its registers
     const int me = Consumers == 1 ? 0 : tid / kConsumerThreads;
@@ -375,11 +363,7 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
       const ItemCtx whole = item_ctx<Consumers * kRows, kTileN, true>(prm, item);
       const ItemCtx cx = Consumers == 1 ? whole : consumer_rows(whole, me);
       const bool prefix = !drafts_split(cx);
-      if (prefix && t128 == 0 && !sm.q8_ready[me]) {   // the warpgroup's first prefix item: every row of q split
-        q8_rows_wait(prm);
-        sm.q8_ready[me] = 1;
-      }
-      bar_sync(bar, kConsumerThreads);   // that, and the previous item's result rows (in q) stored
+      if (k > 0) bar_sync(bar, kConsumerThreads);   // the previous item's result rows (in q) are stored
       wg::issue_q_copies<kRows>(prm, cx, H, sm.q[me], t128, kConsumerThreads, prefix);
       cp_async_wait_all();   // this thread's q copies (the consumers issue no other cp.async)
       fence_proxy_async();   // read next by wgmma (the async proxy)
@@ -437,7 +421,7 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
   } else {
     // =========================== producer warpgroup ===========================
     if constexpr (Consumers > 1) wg::set_max_regs<kProducerRegs, kLaunchRegs<Consumers>>();
-    key_producer(sm, prm, tid - kClaimer, prm.counter[1], fetch_item);
+    key_producer(sm, prm, tid - kClaimer, total, fetch_item);
   }
 #else
   __trap();   // built without sm_90a: the launcher never selects this kernel
