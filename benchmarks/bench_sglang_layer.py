@@ -27,9 +27,9 @@ from sglang_harness import build_case, parallel_context  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import kdtree.sglang_patch as patch  # noqa: E402
+from bench import KV_DTYPES  # noqa: E402  (the pool dtypes bench.py's --kv names)
 
 POOL_SLOTS = 262_144
-KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 
 
 def pass_timing(case, layers, fresh_q=False):
