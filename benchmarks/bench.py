@@ -168,10 +168,15 @@ def graph_bench_ms(fn, rep_ms=300):
     return bench_ms(g.replay, rep_ms)
 
 
+def batch_kwargs(s):
+    """The make_verify_batch arguments a shape of shapes() sets, with their defaults where it does not."""
+    return dict(pad=s.get("pad", 0), causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True),
+                page_size=s.get("page_size", 1))
+
+
 def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16", ceil=None):
-    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask, kv=kv,
-                                    pad=s.get("pad", 0), causal_none=s.get("causal_none", False),
-                                    shuffle=s.get("shuffle", True), page_size=s.get("page_size", 1))
+    bk = batch_kwargs(s)
+    b, out, kd, layer = verify_call(s["prefixes"], s["heads"], s["n"], seed, separate_mask=separate_mask, kv=kv, **bk)
     t, h = b.q.shape[:2]
     kd()
     torch.cuda.synchronize()
@@ -181,7 +186,7 @@ def run_shape(s, extend_fwd, seed, separate_mask=False, kv="bf16", ceil=None):
     layer_ms = graph_bench_ms(layer)
     rec = dict(name=s["name"], batch=len(s["prefixes"]), heads=h, n=s["n"], prefixes=s["prefixes"],
                kv=kv, split_kernel=_ext.load().split_kernel(len(s["prefixes"]), t, h, kdtree.ops.KV_DTYPES[KV_DTYPES[kv]]),
-               shuffled=s.get("shuffle", True), page_size=s.get("page_size", 1),
+               shuffled=bk["shuffle"], page_size=bk["page_size"],
                mask_packed="separately" if separate_mask else "in the call",
                kdtree_us=kd_ms * 1e3, kdtree_graph_us=graph_ms * 1e3,
                kdtree_layer_graph_us=layer_ms * 1e3)

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench import KV_DTYPES, shapes, verify_call  # noqa: E402
+from bench import KV_DTYPES, batch_kwargs, shapes, verify_call  # noqa: E402
 
 from kdtree.reference import verify_attention_reference  # noqa: E402
 
@@ -32,9 +32,7 @@ def main():
     for s in shapes(quick=False, small_rows=True):
         if only and not any(o in s["name"] for o in only):
             continue
-        b, out, kd, _ = verify_call(s["prefixes"], s["heads"], s["n"], seed=7, pad=s.get("pad", 0),
-                                    causal_none=s.get("causal_none", False), shuffle=s.get("shuffle", True),
-                                    page_size=s.get("page_size", 1), kv=args.kv)
+        b, out, kd, _ = verify_call(s["prefixes"], s["heads"], s["n"], seed=7, kv=args.kv, **batch_kwargs(s))
         kd()
         torch.cuda.synchronize()
         first = out.clone()
