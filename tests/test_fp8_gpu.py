@@ -148,6 +148,46 @@ def test_fp8_graph_replay_and_batch_invariance(heads, n):
     assert _rel(out, ref) < 3e-2
 
 
+@pytest.mark.parametrize("heads, n", SHAPES)
+def test_fp8_reused_plan_reads_what_the_kernels_before_it_wrote(heads, n):
+    # A captured pass of three layers, layers 1 and 2 on layer 0's plan. With a reused plan an FP8 call's prep kernel
+    # splits only q, and the skinny and sm_120 FP8 kernels land their first keys before it has ended (early_keys): the
+    # keys must still be the ones the kernels before the call wrote, and q's terms this layer's, not the last layer's
+    # still in the workspace. Each layer's pool rows, slot ids, drafts and (last, right before the call) q are copied
+    # in inside the graph; every output must equal an eager call that plans for itself, bit for bit.
+    prefixes = [6000, 300]
+    live = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=80, kv_dtype=E4M3)
+    layers = [make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=81 + i, kv_dtype=E4M3)
+              for i in range(3)]
+    for b in layers:   # one pass: the same metadata and tree, each layer its own values and slots
+        assert torch.equal(b.kv_indptr, live.kv_indptr) and b.kv_buffer.shape == live.kv_buffer.shape
+        b.custom_mask = live.custom_mask
+    args = live.verify_args()   # views of live's tensors
+    outs = [torch.empty(live.q.shape[0], heads, 512, dtype=torch.bfloat16, device="cuda") for _ in layers]
+    ws = kdtree.Workspace()
+
+    def one_pass():
+        for i, (b, out) in enumerate(zip(layers, outs)):
+            live.kv_buffer.copy_(b.kv_buffer)
+            live.kv_indices.copy_(b.kv_indices)
+            live.k.copy_(b.k)
+            live.q.copy_(b.q)
+            kdtree.verify_attention(**args, out=out, workspace=ws, reuse_plan=i > 0)
+
+    one_pass()   # eager warm-up sizes the workspace
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        one_pass()
+    for rep in range(3):
+        for out in outs:
+            out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, (b, out) in enumerate(zip(layers, outs)):
+            assert torch.equal(out, kdtree.verify_attention(**b.verify_args())), f"replay {rep}, layer {i} differs"
+
+
 @pytest.mark.parametrize("page_size, shuffle", [(64, True), (64, False), (3, True)])
 @pytest.mark.parametrize("heads, n", SHAPES)
 def test_paged_pools_match_shuffled_slots(page_size, shuffle, heads, n):

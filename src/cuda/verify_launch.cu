@@ -580,6 +580,9 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const int q_blocks =
       p->kv_dtype == KDTREE_KV_E4M3 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock) : 0;
   const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);
+  prm.early_keys = p->reuse_plan && prep_blocks > 0 &&
+                   (call == KDTREE_KERNEL_SKINNY_FP8 || call == KDTREE_KERNEL_SKINNY_FP8_32ROW ||
+                    call == KDTREE_KERNEL_MMA_FP8);
   if (prep_blocks)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, prep_blocks, kdtree::kPlanThreads, 0, stream, pdl, prm));
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));
