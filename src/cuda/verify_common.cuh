@@ -130,11 +130,6 @@ struct Params {
   float* q_scale;     // [num_tokens * heads]
   // The prep kernel's blocks: plan_blocks (0 or 1) plan, the next pack_blocks pack the tree mask, the rest split q.
   int plan_blocks, pack_blocks;
-  // A call on a reused plan whose prep kernel runs (an FP8 call's q terms, or a mask it packs), on a split kernel that
-  // lands keys early (the FP8 kernels): the prep kernel lets the split kernel's blocks start only once it has passed
-  // its own wait (all earlier work on the stream complete), and the split kernel's key copies of its first item then
-  // start without waiting for the prep kernel, whose outputs (q's terms, the packed mask) only its readers wait for.
-  int early_keys;
 };
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {

@@ -141,7 +141,6 @@ struct DeviceInfo {
   int small_rows;
   bool early_combine;   // the combine waits per row tile (Params::done_arrivals); KDTREE_EARLY_COMBINE=0: for the pass
   bool q_tma;           // the dual kernel loads q by TMA where the call's q allows it; KDTREE_Q_TMA=0: by cp.async
-  bool early_keys;      // Params::early_keys where a call allows it; KDTREE_EARLY_KEYS=0: never
   int mma_stages;       // key stages of the mma.sync kernels here (3 where a block may take 227 KB, else 2)
   int fp8_kernel;       // the kernel of calls over an e4m3 pool: the FP8 form of the device's (DUAL_FP8 of DUAL,
                         // SKINNY_FP8 of SKINNY), else MMA_FP8
@@ -242,8 +241,7 @@ DeviceInfo device_info(int dev, int* status) {
             : 0;
     // KDTREE_PDL=0 launches every kernel plainly (to measure what overlapping the launches saves)
     info[dev] = DeviceInfo{n, kernel, major >= 9 && !env_is("KDTREE_PDL", "0"), small_kernel, small_rows,
-                           !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0"),
-                           !env_is("KDTREE_EARLY_KEYS", "0"), mma_stages,
+                           !env_is("KDTREE_EARLY_COMBINE", "0"), !env_is("KDTREE_Q_TMA", "0"), mma_stages,
                            fp8_kernel, fp8_status, scaled_status, fp8_small_kernel, fp8_pair_kernel};
     configured[dev] = true;
   }
@@ -284,7 +282,7 @@ struct EnvSwitch {
 constexpr EnvSwitch kEnvSwitches[] = {
     {"KDTREE_SPLIT_KERNEL", "mma, skinny"}, {"KDTREE_SPLIT_STAGES", "2"},    {"KDTREE_SKINNY", "0, 1"},
     {"KDTREE_MMA_HALVES", "0, 1"},          {"KDTREE_PDL", "0, 1"},           {"KDTREE_EARLY_COMBINE", "0, 1"},
-    {"KDTREE_Q_TMA", "0, 1"},               {"KDTREE_EARLY_KEYS", "0, 1"},
+    {"KDTREE_Q_TMA", "0, 1"},
 };
 // KDTREE_MIXED ran a last row tile of <= 16 rows as skinny items beside the dual kernel (3-16% slower than the dual
 // kernel alone on every shape, H200); KDTREE_MIXED_SMS set how many SMs those took.
@@ -582,9 +580,6 @@ int kdtree_verify_launch(const kdtree_verify_params* p, void* stream_ptr) {
   const int q_blocks =
       p->kv_dtype == KDTREE_KV_E4M3 ? (int)((rows + kdtree::kQ8RowsPerBlock - 1) / kdtree::kQ8RowsPerBlock) : 0;
   const unsigned prep_blocks = (unsigned)(prm.plan_blocks + prm.pack_blocks + q_blocks);
-  prm.early_keys = dev.early_keys && p->reuse_plan && prep_blocks > 0 &&
-                   (call == KDTREE_KERNEL_SKINNY_FP8 || call == KDTREE_KERNEL_SKINNY_FP8_32ROW ||
-                    call == KDTREE_KERNEL_MMA_FP8);
   if (prep_blocks)
     KDTREE_TRY(launch_kernel(kdtree::kdtree_verify_plan_kernel, prep_blocks, kdtree::kPlanThreads, 0, stream, pdl, prm));
   KDTREE_TRY(launch_kernel(split.kernel, sms, split.threads, split.smem, stream, pdl, prm));

@@ -119,7 +119,6 @@ __device__ __forceinline__ void mma_item_fp8(SharedStorageFp8& sm, const Params&
   long long next_slot = start_key_ring<kStages>(prm, cx, vw, issuer, my_key, [&](int t, long long slot) {
     issue_tile8(sm, prm, cx, t, t, vw, lane, slot);
   });
-  grid_dependency_wait();   // q's terms (early_keys: the prep kernel's; otherwise, and after the first item, a no-op)
 
   // lo(q) and the last steps of hi(q) of the item's rows (the prep kernel's, verify_q8.cuh) into shared memory; the
   // rest of hi goes to the score warps' registers
@@ -301,9 +300,8 @@ __global__ void __launch_bounds__(MmaWide::kThreads, 1) kdtree_verify_split_fp8_
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SharedStorageFp8& sm = *reinterpret_cast<SharedStorageFp8*>(smem_raw);
   const int tid = threadIdx.x;
-  // (early_keys: the plan is an earlier call's; q's terms and the packed mask are waited for where they are read)
-  grid_dependency_wait_if(!prm.early_keys);   // the plan kernel's counter and plan
-  grid_dependency_launch_dependents();   // after the plan: the combine reads it as soon as it starts
+  grid_dependency_wait();   // the plan kernel's counter and plan
+  grid_dependency_launch_dependents();   // after the wait: the combine reads the plan as soon as it starts
   uint32_t phase_bits = 0u, pair_bits = 0u;
   if (tid == 0) {
     for (int b = 0; b < kStages8; ++b) mbar_init(&sm.full[b], 1);
@@ -320,12 +318,10 @@ __global__ void __launch_bounds__(MmaWide::kThreads, 1) kdtree_verify_split_fp8_
     const int item = sm.item;
     if (item >= sm.total) return;
     const ItemCtx cx = item_ctx<kBlockM, kTileN, true>(prm, item);
-    if (!drafts_split(cx)) {
+    if (!drafts_split(cx))
       mma_item_fp8(sm, prm, cx, item, phase_bits);
-    } else {
-      grid_dependency_wait();   // the packed mask (early_keys; otherwise a no-op)
+    else
       mma_item<2, MmaWide>(sm, prm, cx, prm.scale_log2, 1.f, phase_bits, pair_bits, item, 0);
-    }
   }
 }
 

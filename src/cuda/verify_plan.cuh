@@ -89,13 +89,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1) kdtree_verify_plan_kernel(Par
   __shared__ long long s_carry_rows;
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(1, 0);
-  if (prm.early_keys) {   // the split kernel's key copies start before this kernel's end: after the wait, so that
-    grid_dependency_wait();   // everything they read (plan, slot ids, pool rows, drafts) is complete
-    grid_dependency_launch_dependents();
-  } else {
-    grid_dependency_launch_dependents();
-    grid_dependency_wait();   // the indptr arrays (and q) may come from the previous kernel on the stream
-  }
+  grid_dependency_launch_dependents();
+  grid_dependency_wait();   // the indptr arrays (and q) may come from the previous kernel on the stream
   KDTREE_TIMELINE(1, 1);
   const int block = (int)blockIdx.x - prm.plan_blocks;
   if (block >= prm.pack_blocks) {   // q's e4m3 terms

@@ -21,13 +21,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-// grid_dependency_wait where `wait` holds, as one predicated instruction (a branch around the wait made ptxas spill
-// the sm_120a FP8 kernel, 8 bytes).
-__device__ __forceinline__ void grid_dependency_wait_if(bool wait) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %0, 0;\n @p griddepcontrol.wait;\n}\n" ::"r"((int)wait) : "memory");
-#endif
-}
 // Lets the next kernel's blocks be scheduled now (they still wait for this grid's completion).
 __device__ __forceinline__ void grid_dependency_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

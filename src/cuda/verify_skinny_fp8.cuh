@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
   const int tid = threadIdx.x;
   KDTREE_TIMELINE(2, 0);
   grid_dependency_launch_dependents();
-  grid_dependency_wait_if(!prm.early_keys);   // the prep kernel's plan and q rows (early_keys: the consumers' wait)
+  grid_dependency_wait();   // the prep kernel's plan and q rows
   KDTREE_TIMELINE(2, 1);
   const int total = prm.counter[1];
   const int H = prm.heads;
@@ -342,7 +342,6 @@ __global__ void __launch_bounds__(kThreads<Consumers>, 1) kdtree_verify_split_sk
   if (tid < kClaimer) {
     // =========================== consumer warpgroups ===========================
     if constexpr (Consumers > 1) wg::set_max_regs<kConsumerRegs, kLaunchRegs<Consumers>>();
-    grid_dependency_wait();   // early_keys: q's terms and the packed mask, which the producer never reads (else a no-op)
     // this warpgroup's 16 rows of each item, and the thread's index in it: constants where there is one consumer, so
     // that the 16-row form keeps one named barrier id (ptxas reserves all 16 for a runtime id) and its registers
     const int me = Consumers == 1 ? 0 : tid / kConsumerThreads;
