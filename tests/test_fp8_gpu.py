@@ -150,11 +150,10 @@ def test_fp8_graph_replay_and_batch_invariance(heads, n):
 
 @pytest.mark.parametrize("heads, n", SHAPES)
 def test_fp8_reused_plan_reads_what_the_kernels_before_it_wrote(heads, n):
-    # A captured pass of three layers, layers 1 and 2 on layer 0's plan. With a reused plan an FP8 call's prep kernel
-    # splits only q, and the skinny and sm_120 FP8 kernels land their first keys before it has ended (early_keys): the
-    # keys must still be the ones the kernels before the call wrote, and q's terms this layer's, not the last layer's
-    # still in the workspace. Each layer's pool rows, slot ids, drafts and (last, right before the call) q are copied
-    # in inside the graph; every output must equal an eager call that plans for itself, bit for bit.
+    # A captured pass of three layers, layers 1 and 2 on layer 0's plan, where an FP8 call's prep kernel splits only q.
+    # Each layer's pool rows, slot ids, drafts and (last, right before the call) q are copied in inside the graph, so
+    # the split kernel must read the keys those copies wrote and this layer's q terms, not the last layer's still in
+    # the workspace: every output must equal an eager call that plans for itself, bit for bit.
     prefixes = [6000, 300]
     live = make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=80, kv_dtype=E4M3)
     layers = [make_verify_batch(prefixes, heads, n, kind="tree", device="cuda", seed=81 + i, kv_dtype=E4M3)
