@@ -291,9 +291,13 @@ def _attach_metadata_builders(sg, backend, *, req_to_token, page_size, n, max_bs
     over ``req_to_token`` (a plain pool: reads stay token slots) and, for ``graph_layout``, the
     graph's kv-indices buffer and verify-mask buffer, filled with stale values (slot ids of NaN
     slots, mask bytes 1) as a buffer holds after earlier, longer batches."""
-    from sglang.srt.layers.attention.verify_mask import VerifyMask, tree_mask_numel
-    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+    try:
+        from sglang.srt.layers.attention.verify_mask import VerifyMask, tree_mask_numel
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+        from sglang.srt.speculative.eagle_utils import TreeMaskMode
+    except ModuleNotFoundError as e:   # the device bundle's file list lacks these (SGLANG.md)
+        raise ModuleNotFoundError(f"{e}: on a GPU machine, complete the SGLang device bundle with "
+                                  "`python tools/sglang_bundle_extras.py` before carrying it") from e
 
     dev = torch.device(device)
     backend.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
